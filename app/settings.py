@@ -1,0 +1,49 @@
+"""All configuration in one place: environment variables with the ``RKV_`` prefix."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+CacheMode = Literal["full", "snapkv", "rocketkv", "rocketkv-mt", "tiered"]
+BUNDLED_MODEL = "bundled:smollm2-135m"
+
+
+class Settings(BaseSettings):
+    """Server and engine settings. Every field reads ``RKV_<NAME>`` from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="RKV_", extra="ignore")
+
+    model: str = Field(
+        BUNDLED_MODEL,
+        description="Model to serve: the bundled SmolLM2-135M-Instruct, a Hugging Face id, or a local path.",
+    )
+    gguf_file: str | None = Field(
+        None, description="GGUF file name inside `model` when it is a GGUF repository or folder."
+    )
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "rocketkv-mt",
+        description="Where converted model weights (safetensors) are kept between starts.",
+    )
+    device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype; 'auto' is bfloat16 on CUDA and float32 on CPU."
+    )
+    mode: CacheMode = Field("full", description="Default KV cache mode of new sessions.")
+    token_budget: int = Field(
+        256, ge=16, description="RocketKV token budget t; the other compression sizes derive from it."
+    )
+    max_new_tokens: int = Field(256, ge=1, description="Default cap on generated tokens per turn.")
+    max_tokens_limit: int = Field(
+        4096, ge=1, description="Largest max_tokens a request may ask for."
+    )
+    max_context: int | None = Field(
+        None, ge=64, description="History limit in tokens; defaults to the model's maximum positions."
+    )
+    max_message_bytes: int = Field(256 * 1024, ge=1, description="Largest accepted user message, in UTF-8 bytes.")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's own).")
+    kernels: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="'auto' uses Triton kernels for CUDA tensors and torch references otherwise."
+    )

@@ -1,0 +1,24 @@
+"""Session caches, one class per mode, behind ``SessionCache``."""
+from __future__ import annotations
+
+from rocketkv_mt.cache.base import CacheSpec, SessionCache
+from rocketkv_mt.cache.full import FullCache
+from rocketkv_mt.cache.rocketkv import RocketKVCache
+from rocketkv_mt.cache.snapkv import SnapKVCache
+from rocketkv_mt.config import RocketKVConfig
+
+CACHE_MODES: dict[str, type[SessionCache]] = {
+    cls.mode: cls for cls in (FullCache, SnapKVCache, RocketKVCache)
+}
+
+
+def make_cache(mode: str, spec: CacheSpec, rocket: RocketKVConfig | None = None) -> SessionCache:
+    """A new, empty cache of the given mode."""
+    try:
+        cls = CACHE_MODES[mode]
+    except KeyError:
+        raise ValueError(f"unknown cache mode {mode!r}; one of {sorted(CACHE_MODES)}") from None
+    return cls(spec, rocket)
+
+
+__all__ = ["CACHE_MODES", "CacheSpec", "SessionCache", "make_cache"]

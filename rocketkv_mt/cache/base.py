@@ -1,0 +1,124 @@
+"""The session cache interface that every cache mode implements."""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from rocketkv_mt.attention_ops import dense_attention
+from rocketkv_mt.cache.store import LayerKV
+from rocketkv_mt.config import BudgetSplit, RocketKVConfig
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The model's attention shape and where the cache lives."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class ForwardStep:
+    """What the next model forward feeds: ``n_new`` tokens, a turn's prefill or one decode token."""
+
+    n_new: int
+    prefill: bool
+    max_new: int = 0
+    split: BudgetSplit | None = None
+
+
+@dataclass
+class AttentionTimer:
+    """Wall time spent inside attention (accumulated when enabled; synchronises CUDA to be exact)."""
+
+    enabled: bool = False
+    seconds: float = 0.0
+    calls: int = field(default=0)
+
+
+class SessionCache(ABC):
+    """A session's KV cache across all layers, kept between turns.
+
+    The engine calls ``begin_forward`` before each model forward and ``end_forward`` after it; in
+    between, the registered attention function calls ``attend`` once per layer with that layer's
+    new queries/keys/values (keys after RoPE, at their true history positions).
+    """
+
+    mode: str = "abstract"
+
+    def __init__(self, spec: CacheSpec, rocket: RocketKVConfig | None = None):
+        self.spec = spec
+        self.rocket = rocket or RocketKVConfig()
+        self.layers = [
+            LayerKV(spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device) for _ in range(spec.num_layers)
+        ]
+        self.history_len = 0  # tokens fed so far == position of the next token
+        self.step: ForwardStep | None = None
+        self.split: BudgetSplit | None = None
+        self.timer = AttentionTimer()
+
+    # --- engine side -------------------------------------------------------------------------
+    def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0) -> None:
+        split = None
+        if prefill:
+            split = self.rocket.split(self.history_len + n_new + max_new, max_new, self.spec.head_dim)
+            self.split = split
+        self.step = ForwardStep(n_new=n_new, prefill=prefill, max_new=max_new, split=split)
+
+    def end_forward(self) -> None:
+        assert self.step is not None
+        self.history_len += self.step.n_new
+        self.step = None
+
+    def positions(self, n_new: int) -> torch.Tensor:
+        """Positions of the next n_new tokens: they continue the whole history, not the kept length."""
+        return torch.arange(self.history_len, self.history_len + n_new, device=self.spec.device)
+
+    # --- attention side ----------------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q (1, Hq, n, d), k/v (1, Hkv, n, d) for the new tokens -> attention output (1, n, Hq, d)."""
+        if not self.timer.enabled:
+            return self._attend(layer, q[0], k[0], v[0], scaling).transpose(0, 1).unsqueeze(0)
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
+        t0 = time.perf_counter()
+        out = self._attend(layer, q[0], k[0], v[0], scaling)
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
+        self.timer.seconds += time.perf_counter() - t0
+        self.timer.calls += 1
+        return out.transpose(0, 1).unsqueeze(0)
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q (Hq, n, d); k, v (Hkv, n, d) -> (Hq, n, d)."""
+        store = self.layers[layer]
+        store.append(k, v, self.positions(k.shape[1]))
+        if self.step is not None and self.step.prefill:
+            out = dense_attention(q, store.keys, store.values, scaling)
+            self.after_prefill(layer, q, scaling)
+            return out
+        return self.decode_attention(layer, q, scaling)
+
+    def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of one decode query (Hq, 1, d) over the layer's kept tokens (new one included)."""
+        store = self.layers[layer]
+        return dense_attention(q, store.keys, store.values, scaling)
+
+    @abstractmethod
+    def after_prefill(self, layer: int, q: torch.Tensor, scaling: float) -> None:
+        """Called once per layer at the end of a turn's prefill, with the turn's queries (Hq, n, d)."""
+
+    # --- accounting --------------------------------------------------------------------------
+    def kept_tokens(self) -> int:
+        """Tokens per KV head held on the device (first layer; every layer holds the same count)."""
+        return self.layers[0].length
+
+    def device_bytes(self) -> int:
+        """Bytes of KV (and KT, where kept) the session holds on the device."""
+        return sum(layer.nbytes() for layer in self.layers)

@@ -1,0 +1,44 @@
+"""``rocketkv``: Stage 1 at prefill (permanent eviction) and Hybrid Sparse Attention at decode."""
+from __future__ import annotations
+
+import torch
+
+from rocketkv_mt.attention_ops import dense_attention
+from rocketkv_mt.cache.snapkv import SnapKVCache
+from rocketkv_mt.hsa import hsa_attention
+from rocketkv_mt.kt_cache import KTCache
+
+
+class RocketKVCache(SnapKVCache):
+    mode = "rocketkv"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kt: list[KTCache | None] = [None] * self.spec.num_layers
+
+    def after_prefill(self, layer: int, q: torch.Tensor, scaling: float) -> None:
+        super().after_prefill(layer, q, scaling)
+        self.kt[layer] = KTCache(self.layers[layer].keys, self.split.page_size)
+
+    def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        store, kt, split = self.layers[layer], self.kt[layer], self.split
+        kt.append(store.keys[:, -1])
+        # Reading every kept token costs no more than the budget: attend exactly.
+        if store.length <= split.token_budget:
+            return dense_attention(q, store.keys, store.values, scaling)
+        hkv = self.spec.num_kv_heads
+        out = hsa_attention(
+            q.reshape(hkv, -1, q.shape[-1]),
+            store.keys,
+            store.values,
+            kt.kmin,
+            kt.kmax,
+            split.page_size,
+            split.topr,
+            split.topk,
+            scaling,
+        )
+        return out.reshape(q.shape)
+
+    def device_bytes(self) -> int:
+        return super().device_bytes() + sum(kt.nbytes() for kt in self.kt if kt is not None)

@@ -1,0 +1,20 @@
+"""``snapkv``: Stage 1 at every turn's prefill; evicted tokens are gone for good."""
+from __future__ import annotations
+
+import torch
+
+from rocketkv_mt.cache.base import SessionCache
+from rocketkv_mt.stage1 import snapkv_keep_indices
+
+
+class SnapKVCache(SessionCache):
+    mode = "snapkv"
+
+    def after_prefill(self, layer: int, q: torch.Tensor, scaling: float) -> None:
+        split = self.step.split
+        store = self.layers[layer]
+        if store.length <= split.prompt_budget:
+            return
+        w = min(split.window_size, q.shape[1])
+        keep = snapkv_keep_indices(q[:, -w:], store.keys, split.prompt_budget, split.kernel_size, scaling)
+        store.keep(keep)

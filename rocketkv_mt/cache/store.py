@@ -1,0 +1,75 @@
+"""Per-layer KV storage: preallocated buffers of kept keys, values and their positions."""
+from __future__ import annotations
+
+import torch
+
+
+class LayerKV:
+    """Kept tokens of one layer, the same count for every KV head.
+
+    keys/values: (Hkv, L, d); positions: (Hkv, L) int64, the tokens' positions in the whole history.
+    Buffers grow by chunks so decode appends are in place (gpt-fast style static slices).
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, chunk: int = 256):
+        self.chunk = chunk
+        self.length = 0
+        self._k = torch.empty(num_kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self._v = torch.empty_like(self._k)
+        self._pos = torch.empty(num_kv_heads, 0, dtype=torch.long, device=device)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._k[:, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._v[:, : self.length]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._pos[:, : self.length]
+
+    def _reserve(self, total: int) -> None:
+        cap = self._k.shape[1]
+        if total <= cap:
+            return
+        new_cap = max(total, cap + cap // 2, cap + self.chunk)
+        new_cap = -(-new_cap // self.chunk) * self.chunk
+        for name in ("_k", "_v", "_pos"):
+            old = getattr(self, name)
+            buf = old.new_empty(old.shape[0], new_cap, *old.shape[2:])
+            buf[:, : self.length] = old[:, : self.length]
+            setattr(self, name, buf)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """k, v: (Hkv, n, d); positions: (n,) shared by all heads, or (Hkv, n)."""
+        n = k.shape[1]
+        self._reserve(self.length + n)
+        end = self.length + n
+        self._k[:, self.length : end] = k
+        self._v[:, self.length : end] = v
+        self._pos[:, self.length : end] = positions
+        self.length = end
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Keep only tokens idx (Hkv, m) (indices into the current kept tokens, ascending), compacted."""
+        d = self._k.shape[-1]
+        gidx = idx.unsqueeze(-1).expand(-1, -1, d)
+        k = torch.gather(self.keys, 1, gidx)
+        v = torch.gather(self.values, 1, gidx)
+        pos = torch.gather(self.positions, 1, idx)
+        m = idx.shape[1]
+        self._k[:, :m] = k
+        self._v[:, :m] = v
+        self._pos[:, :m] = pos
+        self.length = m
+
+    def replace(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Set the kept tokens to exactly k, v (Hkv, m, d) with positions (Hkv, m)."""
+        self.length = 0
+        self.append(k, v, positions)
+
+    def nbytes(self) -> int:
+        """Bytes of the kept keys and values (what the session needs, not the spare capacity)."""
+        return 2 * self.keys.numel() * self._k.element_size()

@@ -1,0 +1,93 @@
+"""Stage 2: Hybrid Sparse Attention for one decode query (torch reference).
+
+Shapes: Hkv KV heads, G query heads per KV head, d head dim, L kept tokens, P pages, r kept channels.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def select_channels(q: torch.Tensor, topr: int) -> torch.Tensor:
+    """q (Hkv, G, d) -> indices (Hkv, r) of the channels with the largest |q| summed over the group."""
+    return torch.topk(q.abs().sum(dim=1), min(topr, q.shape[-1]), dim=-1).indices
+
+
+def page_scores(
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, channels: torch.Tensor
+) -> torch.Tensor:
+    """Approximate attention mass of each page, per KV head: (Hkv, P).
+
+    q (Hkv, G, d); kmin/kmax (Hkv, P, d); channels (Hkv, r).
+    Over the kept channels, each head's upper bound q_c * (max_c if the group's q_c > 0 else min_c)
+    is scaled as in SparQ (divided by sqrt(d * sum|q_hat| / sum|q|)), soft-maxed over pages and
+    averaged over the group's heads.
+    """
+    d = q.shape[-1]
+    qf = q.float()
+    q_hat = torch.gather(qf, 2, channels.unsqueeze(1).expand(-1, qf.shape[1], -1))  # (Hkv, G, r)
+    idx = channels.unsqueeze(1).expand(-1, kmin.shape[1], -1)
+    kmin_hat = torch.gather(kmin.float(), 2, idx)  # (Hkv, P, r)
+    kmax_hat = torch.gather(kmax.float(), 2, idx)
+    # One sign per channel for the whole group, so every head of the group reads the same bound.
+    positive = q_hat.sum(dim=1, keepdim=True) > 0  # (Hkv, 1, r)
+    q_pos = torch.where(positive, q_hat, 0.0)
+    q_neg = q_hat - q_pos
+    logits = torch.matmul(q_pos, kmax_hat.transpose(1, 2)) + torch.matmul(q_neg, kmin_hat.transpose(1, 2))
+    scale = torch.sqrt(d * q_hat.abs().sum(-1, keepdim=True) / qf.abs().sum(-1, keepdim=True).clamp_min(1e-30))
+    probs = torch.softmax(logits / scale.clamp_min(1e-30), dim=-1)  # (Hkv, G, P)
+    return probs.mean(dim=1)
+
+
+def select_pages(scores: torch.Tensor, k_pages: int) -> torch.Tensor:
+    """scores (Hkv, P) -> page indices (Hkv, k), ascending; all pages when P <= k."""
+    k = min(k_pages, scores.shape[-1])
+    idx = torch.topk(scores, k, dim=-1, sorted=False).indices
+    return torch.sort(idx, dim=-1).values
+
+
+def page_tokens(pages: torch.Tensor, page_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices (Hkv, k * page_size) of the selected pages and a mask of those < length."""
+    offs = torch.arange(page_size, device=pages.device)
+    tokens = (pages.unsqueeze(-1) * page_size + offs).flatten(1)
+    valid = tokens < length
+    return tokens.clamp_max(length - 1), valid
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Exact attention of q (Hkv, G, d) over the gathered tokens (Hkv, T) of keys/values (Hkv, L, d)."""
+    d = keys.shape[-1]
+    idx = tokens.unsqueeze(-1).expand(-1, -1, d)
+    k_sel = torch.gather(keys, 1, idx)
+    v_sel = torch.gather(values, 1, idx)
+    logits = torch.matmul(q.float(), k_sel.float().transpose(1, 2)) * scaling  # (Hkv, G, T)
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.matmul(probs, v_sel.float()).to(q.dtype)
+
+
+def hsa_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    page_size: int,
+    topr: int,
+    topk: int,
+    scaling: float,
+) -> torch.Tensor:
+    """HSA for one decode query: q (Hkv, G, d) over kept keys/values (Hkv, L, d) -> (Hkv, G, d)."""
+    channels = select_channels(q, topr)
+    scores = page_scores(q, kmin, kmax, channels)
+    pages = select_pages(scores, math.ceil(topk / page_size))
+    tokens, valid = page_tokens(pages, page_size, keys.shape[1])
+    return sparse_attention(q, keys, values, tokens, valid, scaling)
