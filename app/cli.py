@@ -1,0 +1,155 @@
+"""``rocketkv-mt`` command line."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _quiet() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _settings(args: argparse.Namespace):
+    from app.settings import Settings
+
+    overrides = {}
+    for name in ("mode", "model", "device"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    if getattr(args, "budget", None) is not None:
+        overrides["token_budget"] = args.budget
+    return Settings(**overrides)
+
+
+def _sampling(args: argparse.Namespace):
+    from app.engine.sampling import SamplingParams
+
+    return SamplingParams.parse(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+
+
+async def _stream_turn(engine, session_id: str, text: str, params) -> None:
+    from app.engine.events import TextDelta
+
+    async for event in await engine.chat(session_id, text, params):
+        if isinstance(event, TextDelta):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from app.engine.engine import Engine
+
+    engine = Engine(_settings(args))
+    session = engine.create_session()
+    asyncio.run(_stream_turn(engine, session.id, args.prompt, _sampling(args)))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    if not args.local:
+        from app.client import run_chat_client
+
+        return run_chat_client(args)
+    from app.engine.engine import Engine
+    from app.engine.errors import EngineError
+
+    engine = Engine(_settings(args))
+    session = engine.create_session()
+    params = _sampling(args)
+    print(f"session {session.id} (mode {session.mode}); empty line or Ctrl-D to quit", file=sys.stderr)
+
+    async def loop() -> None:
+        while True:
+            try:
+                line = await asyncio.to_thread(input, "> ")
+            except EOFError:
+                return
+            if not line.strip():
+                return
+            try:
+                await _stream_turn(engine, session.id, line, params)
+            except EngineError as exc:
+                print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
+            turn = session.turns[-1] if session.turns else None
+            if turn is not None:
+                print(
+                    f"  [{turn.prefilled_tokens} prefilled, {turn.generated_tokens} generated, "
+                    f"{turn.kept_tokens}/{len(session.token_ids)} tokens on device]",
+                    file=sys.stderr,
+                )
+
+    asyncio.run(loop())
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from app.model_loader import load_model
+
+    loaded = load_model(_settings(args))
+    print(f"model ready at {loaded.path} (loaded from {loaded.source})")
+    return 0
+
+
+def _add_engine_args(p: argparse.ArgumentParser, sampling: bool = True) -> None:
+    p.add_argument("--model", help="model id or path (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--mode", help="cache mode: full, snapkv, rocketkv")
+    p.add_argument("--budget", type=int, help="RocketKV token budget")
+    p.add_argument("--device", help="cpu, cuda, auto")
+    if sampling:
+        p.add_argument("--max-tokens", type=int, default=None)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--top-p", type=float, default=1.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rocketkv-mt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="one-shot reply to a prompt")
+    p.add_argument("prompt")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="multi-turn chat in the terminal")
+    p.add_argument("--local", action="store_true", help="run the engine in this process")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server to talk to (without --local)")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("model", help="model management")
+    p.add_argument("action", choices=["prepare"], help="prepare: convert the bundled model once")
+    _add_engine_args(p, sampling=False)
+    p.set_defaults(func=cmd_model)
+
+    from app.bench_cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet()
+    from app.engine.errors import EngineError
+
+    try:
+        return args.func(args) or 0
+    except EngineError as exc:
+        print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

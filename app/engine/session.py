@@ -1,0 +1,51 @@
+"""A chat session: its messages, its token ids and its KV cache."""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from rocketkv_mt.cache import SessionCache
+from rocketkv_mt.config import RocketKVConfig
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int  # whole history at the start of the turn, new message included
+    prefilled_tokens: int  # tokens this turn actually fed through the model before decoding
+    generated_tokens: int = 0
+    finish_reason: str = ""
+    ttft_ms: float = 0.0
+    latency_ms: float = 0.0
+    device_bytes: int = 0
+    kept_tokens: int = 0
+
+
+@dataclass
+class Session:
+    """One conversation.
+
+    ``token_ids`` is the whole conversation as the model sees it; the cache has been fed the
+    first ``cache.history_len`` of them, and the rest (at most the closing of the last reply and
+    the next user block) are fed by the next turn's prefill.
+    """
+
+    id: str
+    mode: str
+    rocket: RocketKVConfig
+    cache: SessionCache | None
+    messages: list[dict] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    turns: list[TurnStats] = field(default_factory=list)
+    busy: bool = False
+    cancel_requested: bool = False
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+
+    @staticmethod
+    def new_id() -> str:
+        return "s_" + secrets.token_urlsafe(18)
+
+    @property
+    def fed_tokens(self) -> int:
+        return self.cache.history_len if self.cache is not None else 0

@@ -1,0 +1,94 @@
+"""KT min/max pages and HSA page selection against loop references."""
+import math
+
+import pytest
+import torch
+
+from rocketkv_mt.attention_ops import dense_attention
+from rocketkv_mt.hsa import hsa_attention, page_scores, page_tokens, select_channels, select_pages, sparse_attention
+from rocketkv_mt.kt_cache import KTCache, page_minmax
+
+
+@pytest.mark.parametrize("length,page", [(10, 3), (12, 4), (7, 1), (5, 8)])
+def test_page_minmax_matches_loops(length, page):
+    torch.manual_seed(0)
+    keys = torch.randn(3, length, 6)
+    kmin, kmax = page_minmax(keys, page)
+    assert kmin.shape == (3, math.ceil(length / page), 6)
+    for h in range(3):
+        for p in range(kmin.shape[1]):
+            chunk = keys[h, p * page:(p + 1) * page]
+            assert torch.equal(kmin[h, p], chunk.min(0).values)
+            assert torch.equal(kmax[h, p], chunk.max(0).values)
+
+
+@pytest.mark.parametrize("page", [1, 3, 4])
+def test_decode_appends_update_last_page_in_place(page):
+    torch.manual_seed(1)
+    keys = torch.randn(2, 11, 5)
+    kt = KTCache(keys[:, :4], page, spare_pages=1)
+    for t in range(4, 11):
+        kt.append(keys[:, t])
+    kmin, kmax = page_minmax(keys, page)
+    assert torch.equal(kt.kmin, kmin) and torch.equal(kt.kmax, kmax)
+
+
+def reference_page_scores(q, kmin, kmax, topr):
+    hkv, g, d = q.shape
+    out = torch.zeros(hkv, kmin.shape[1], dtype=torch.float64)
+    for h in range(hkv):
+        mag = [sum(abs(float(q[h, j, c])) for j in range(g)) for c in range(d)]
+        chans = sorted(range(d), key=lambda c: -mag[c])[:topr]
+        for j in range(g):
+            qh = q[h, j].double()
+            scale = math.sqrt(d * sum(abs(float(qh[c])) for c in chans) / float(qh.abs().sum()))
+            logits = []
+            for p in range(kmin.shape[1]):
+                s = 0.0
+                for c in chans:
+                    bound = kmax[h, p, c] if float(q[h, :, c].sum()) > 0 else kmin[h, p, c]
+                    s += float(qh[c]) * float(bound)
+                logits.append(s / scale)
+            out[h] += torch.softmax(torch.tensor(logits, dtype=torch.float64), 0) / g
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_page_scores_and_selection_match_reference(group):
+    torch.manual_seed(group)
+    hkv, d, length, page, topr = 2, 16, 37, 3, 6
+    q = torch.randn(hkv, group, d, dtype=torch.float64)
+    keys = torch.randn(hkv, length, d, dtype=torch.float64)
+    kmin, kmax = page_minmax(keys, page)
+    scores = page_scores(q, kmin, kmax, select_channels(q, topr))
+    ref = reference_page_scores(q, kmin, kmax, topr)
+    assert torch.allclose(scores.double(), ref, atol=1e-6)
+    pages = select_pages(scores, 4)
+    for h in range(hkv):
+        want = sorted(sorted(range(ref.shape[1]), key=lambda p: -float(ref[h, p]))[:4])
+        assert pages[h].tolist() == want
+
+
+def test_sparse_attention_equals_dense_over_gathered_tokens():
+    torch.manual_seed(5)
+    hkv, g, d, length, page = 2, 3, 8, 20, 3
+    q = torch.randn(hkv, g, d)
+    keys, values = torch.randn(hkv, length, d), torch.randn(hkv, length, d)
+    pages = torch.tensor([[0, 6], [2, 5]])  # page 6 is the partial last page (tokens 18, 19)
+    tokens, valid = page_tokens(pages, page, length)
+    out = sparse_attention(q, keys, values, tokens, valid, d ** -0.5)
+    for h in range(hkv):
+        idx = tokens[h][valid[h]]
+        ref = torch.softmax(q[h] @ keys[h, idx].T * d ** -0.5, -1) @ values[h, idx]
+        assert torch.allclose(out[h], ref, atol=1e-5)
+
+
+def test_hsa_with_every_page_selected_is_exact_attention():
+    torch.manual_seed(6)
+    hkv, g, d, length, page = 3, 3, 16, 50, 4
+    q = torch.randn(hkv, g, d)
+    keys, values = torch.randn(hkv, length, d), torch.randn(hkv, length, d)
+    kmin, kmax = page_minmax(keys, page)
+    out = hsa_attention(q, keys, values, kmin, kmax, page, 8, length, d ** -0.5)
+    ref = dense_attention(q.reshape(hkv * g, 1, d), keys, values, d ** -0.5).reshape(hkv, g, d)
+    assert torch.allclose(out, ref, atol=1e-5)
