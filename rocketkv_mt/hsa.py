@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def select_channels(q: torch.Tensor, topr: int) -> torch.Tensor:
@@ -91,3 +92,45 @@ def hsa_attention(
     pages = select_pages(scores, math.ceil(topk / page_size))
     tokens, valid = page_tokens(pages, page_size, keys.shape[1])
     return sparse_attention(q, keys, values, tokens, valid, scaling)
+
+
+def hsa_decode(
+    q: torch.Tensor,
+    key_buf: torch.Tensor,
+    value_buf: torch.Tensor,
+    length: int,
+    bounds: torch.Tensor,
+    page_size: int,
+    topr: int,
+    topk: int,
+    scaling: float,
+) -> torch.Tensor:
+    """``hsa_attention`` with as few torch ops as possible: the CPU production path.
+
+    q (Hkv, G, d); key_buf/value_buf (Hkv, C, d) contiguous buffers whose first ``length`` tokens
+    are the kept ones and C >= pages * page_size; bounds (Hkv, P, 2d) = [max | min] per page.
+    Returns (Hkv, G, d). The top-r channels become a 0/1 mask on q, so max and min are scored
+    together by one matmul; selected pages are read straight from the buffers by row index.
+    """
+    hkv, g, d = q.shape
+    pages = bounds.shape[1]
+    mag = q.abs()
+    channels = torch.topk(mag.sum(1), min(topr, d), dim=-1).indices
+    keep = torch.zeros(hkv, 1, d, dtype=q.dtype, device=q.device).scatter_(2, channels.unsqueeze(1), 1.0)
+    q_hat = q * keep
+    q_pos = q_hat * (q.sum(1, keepdim=True) > 0).to(q.dtype)
+    inv_scale = torch.rsqrt(d * (mag * keep).sum(-1, keepdim=True) / mag.sum(-1, keepdim=True).clamp_min(1e-30))
+    logits = torch.bmm(torch.cat([q_pos, q_hat - q_pos], dim=-1) * inv_scale, bounds.transpose(1, 2))
+    # Summing the group's softmaxes ranks pages exactly as averaging them does.
+    scores = torch.softmax(logits.float(), dim=-1).sum(1)
+    k_pages = min(math.ceil(topk / page_size), pages)
+    chosen = torch.topk(scores, k_pages, dim=-1, sorted=False).indices
+    offs = torch.arange(page_size, device=q.device)
+    tokens = (chosen.unsqueeze(-1) * page_size + offs).view(hkv, k_pages * page_size)
+    cap = key_buf.shape[1]
+    rows = (tokens + (torch.arange(hkv, device=q.device) * cap).unsqueeze(1)).view(-1)
+    k_sel = key_buf.view(hkv * cap, d).index_select(0, rows).view(hkv, 1, -1, d)
+    v_sel = value_buf.view(hkv * cap, d).index_select(0, rows).view(hkv, 1, -1, d)
+    mask = (tokens < length).view(hkv, 1, 1, -1) if length % page_size else None
+    out = F.scaled_dot_product_attention(q.unsqueeze(1), k_sel, v_sel, attn_mask=mask, scale=scaling)
+    return out[:, 0]

@@ -21,46 +21,53 @@ def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
 
 
 class KTCache:
-    """Preallocated min/max page buffers for one layer; grows by whole chunks of pages."""
+    """Page bounds of one layer in one preallocated buffer: (Hkv, pages, 2d) = [max | min].
+
+    Keeping max and min side by side lets HSA score every page with a single matmul.
+    """
 
     def __init__(self, keys: torch.Tensor, page_size: int, spare_pages: int = 64):
         self.page_size = page_size
         self.length = keys.shape[1]
         kmin, kmax = page_minmax(keys, page_size)
         hkv, pages, d = kmin.shape
-        self._min = torch.empty(hkv, pages + spare_pages, d, dtype=keys.dtype, device=keys.device)
-        self._max = torch.empty_like(self._min)
-        self._min[:, :pages] = kmin
-        self._max[:, :pages] = kmax
+        self.head_dim = d
+        self._bounds = torch.empty(hkv, pages + spare_pages, 2 * d, dtype=keys.dtype, device=keys.device)
+        self._bounds[:, :pages, :d] = kmax
+        self._bounds[:, :pages, d:] = kmin
         self.pages = pages
 
     @property
-    def kmin(self) -> torch.Tensor:
-        return self._min[:, : self.pages]
+    def bounds(self) -> torch.Tensor:
+        """(Hkv, P, 2d): per page, the element-wise max of its keys then the element-wise min."""
+        return self._bounds[:, : self.pages]
 
     @property
     def kmax(self) -> torch.Tensor:
-        return self._max[:, : self.pages]
+        return self._bounds[:, : self.pages, : self.head_dim]
+
+    @property
+    def kmin(self) -> torch.Tensor:
+        return self._bounds[:, : self.pages, self.head_dim :]
 
     def append(self, key: torch.Tensor) -> None:
         """Add one token's key (Hkv, d): it opens a new page or tightens the last page's bounds in place."""
+        d = self.head_dim
         if self.length % self.page_size == 0:
-            if self.pages == self._min.shape[1]:
+            if self.pages == self._bounds.shape[1]:
                 self._grow()
-            self._min[:, self.pages] = key
-            self._max[:, self.pages] = key
+            self._bounds[:, self.pages].view(-1, 2, d).copy_(key.unsqueeze(1).expand(-1, 2, -1))
             self.pages += 1
         else:
-            last = self.pages - 1
-            torch.minimum(self._min[:, last], key, out=self._min[:, last])
-            torch.maximum(self._max[:, last], key, out=self._max[:, last])
+            last = self._bounds[:, self.pages - 1]
+            torch.maximum(last[:, :d], key, out=last[:, :d])
+            torch.minimum(last[:, d:], key, out=last[:, d:])
         self.length += 1
 
     def _grow(self) -> None:
-        extra = max(64, self._min.shape[1] // 2)
-        pad = self._min.new_empty(self._min.shape[0], extra, self._min.shape[2])
-        self._min = torch.cat([self._min, pad], dim=1)
-        self._max = torch.cat([self._max, pad.clone()], dim=1)
+        extra = max(64, self._bounds.shape[1] // 2)
+        pad = self._bounds.new_empty(self._bounds.shape[0], extra, self._bounds.shape[2])
+        self._bounds = torch.cat([self._bounds, pad], dim=1)
 
     def nbytes(self) -> int:
-        return 2 * self.kmin.numel() * self.kmin.element_size()
+        return self.bounds.numel() * self.bounds.element_size()

@@ -21,7 +21,7 @@ def window_scores(q_win: torch.Tensor, keys: torch.Tensor, scaling: float) -> to
     hq, w, d = q_win.shape
     hkv, length, _ = keys.shape
     g = hq // hkv
-    logits = torch.matmul(q_win.view(hkv, g * w, d).float(), keys.float().transpose(1, 2)) * scaling
+    logits = torch.matmul(q_win.reshape(hkv, g * w, d).float(), keys.float().transpose(1, 2)) * scaling
     logits = logits.view(hkv, g, w, length)
     # Query i of the window sits at position L - W + i; keys after it are masked.
     q_pos = torch.arange(length - w, length, device=keys.device).view(w, 1)

@@ -92,3 +92,24 @@ def test_hsa_with_every_page_selected_is_exact_attention():
     out = hsa_attention(q, keys, values, kmin, kmax, page, 8, length, d ** -0.5)
     ref = dense_attention(q.reshape(hkv * g, 1, d), keys, values, d ** -0.5).reshape(hkv, g, d)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("group,page,length", [(1, 1, 40), (3, 3, 100), (4, 4, 98), (3, 5, 131)])
+def test_fast_decode_path_equals_reference(group, page, length):
+    from rocketkv_mt.cache.store import LayerKV
+    from rocketkv_mt.hsa import hsa_decode
+
+    torch.manual_seed(page)
+    hkv, d = 3, 32
+    store = LayerKV(hkv, d, torch.float32, torch.device("cpu"))
+    keys, values = torch.randn(hkv, length, d), torch.randn(hkv, length, d)
+    store.append(keys[:, :-5], values[:, :-5], torch.arange(length - 5))
+    kt = KTCache(store.keys, page)
+    for t in range(length - 5, length):  # decode appends, the last page possibly partial
+        store.append(keys[:, t:t + 1], values[:, t:t + 1], torch.tensor([t]))
+        kt.append(keys[:, t])
+    q = torch.randn(hkv, group, d)
+    kb, vb = store.buffers
+    got = hsa_decode(q, kb, vb, length, kt.bounds, page, 8, 24, d ** -0.5)
+    ref = hsa_attention(q, keys, values, kt.kmin, kt.kmax, page, 8, 24, d ** -0.5)
+    assert torch.allclose(got, ref, atol=1e-5)

@@ -5,7 +5,7 @@ import torch
 
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.snapkv import SnapKVCache
-from rocketkv_mt.hsa import hsa_attention
+from rocketkv_mt.hsa import hsa_decode
 from rocketkv_mt.kt_cache import KTCache
 
 
@@ -27,12 +27,13 @@ class RocketKVCache(SnapKVCache):
         if store.length <= split.token_budget:
             return dense_attention(q, store.keys, store.values, scaling)
         hkv = self.spec.num_kv_heads
-        out = hsa_attention(
+        key_buf, value_buf = store.buffers
+        out = hsa_decode(
             q.reshape(hkv, -1, q.shape[-1]),
-            store.keys,
-            store.values,
-            kt.kmin,
-            kt.kmax,
+            key_buf,
+            value_buf,
+            store.length,
+            kt.bounds,
             split.page_size,
             split.topr,
             split.topk,

@@ -11,6 +11,9 @@ class LayerKV:
     Buffers grow by chunks so decode appends are in place (gpt-fast style static slices).
     """
 
+    # Spare slots past the kept tokens, so a partial last page can be read as a whole page in place.
+    SLACK = 32
+
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, chunk: int = 256):
         self.chunk = chunk
         self.length = 0
@@ -32,15 +35,20 @@ class LayerKV:
 
     def _reserve(self, total: int) -> None:
         cap = self._k.shape[1]
-        if total <= cap:
+        if total + self.SLACK <= cap:
             return
-        new_cap = max(total, cap + cap // 2, cap + self.chunk)
+        new_cap = max(total + self.SLACK, cap + cap // 2, cap + self.chunk)
         new_cap = -(-new_cap // self.chunk) * self.chunk
         for name in ("_k", "_v", "_pos"):
             old = getattr(self, name)
             buf = old.new_empty(old.shape[0], new_cap, *old.shape[2:])
             buf[:, : self.length] = old[:, : self.length]
             setattr(self, name, buf)
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers (Hkv, capacity, d); capacity >= length + SLACK."""
+        return self._k, self._v
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v: (Hkv, n, d); positions: (n,) shared by all heads, or (Hkv, n)."""

@@ -1,0 +1,310 @@
+"""Wire formats: WebSocket events, session REST bodies and the OpenAI-compatible bodies.
+
+WebSocket protocol (`/v1/chat/ws`, one JSON object per text frame, each with a ``type``):
+
+client → server
+  ``session.create``  {mode?, budget?, system?}         start a session on this connection
+  ``session.resume``  {session_id, token?}               bind an existing session (token required
+                                                         when the server issued one)
+  ``message``         {content, max_tokens?, temperature?, top_p?, stop?, seed?}
+  ``cancel``          {}                                 stop the reply being generated
+server → client
+  ``session``  {session_id, token, mode, budget, replica}
+  ``delta``    {text}
+  ``done``     {finish_reason, usage{prompt_tokens, prefilled_tokens, generated_tokens},
+                memory{device_bytes, host_bytes, redis_bytes, readmitted_tokens, ...}, replica, ...}
+  ``error``    {code, message}; the connection stays open.
+
+Error codes besides the engine's (``session_not_found``, ``session_busy``, ``empty_message``,
+``message_too_large``, ``invalid_sampling_params``, ``unknown_mode``, ``context_length_exceeded``):
+``invalid_json`` (frame is not a JSON object), ``invalid_event`` (fields missing or of the wrong
+type), ``unknown_type`` (no such event type), ``no_session`` (message before create/resume),
+``replica_unavailable`` (the replica died mid-turn; the next turn resumes from the last saved
+state), ``internal_error``.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# --- WebSocket: client events -----------------------------------------------------------------
+class SessionCreate(_Strict):
+    type: Literal["session.create"]
+    mode: str | None = Field(None, description="Cache mode (full, snapkv, rocketkv, ...); default: the server's.")
+    budget: int | None = Field(None, description="RocketKV token budget; default: the server's.")
+    system: str | None = Field(None, description="Optional system prompt.")
+
+
+class SessionResume(_Strict):
+    type: Literal["session.resume"]
+    session_id: str
+    token: str | None = Field(None, description="The secret returned when the session was created.")
+
+
+class UserMessage(_Strict):
+    type: Literal["message"]
+    content: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+
+
+class Cancel(_Strict):
+    type: Literal["cancel"]
+
+
+ClientEvent = Annotated[Union[SessionCreate, SessionResume, UserMessage, Cancel], Field(discriminator="type")]
+client_event_adapter: TypeAdapter[ClientEvent] = TypeAdapter(ClientEvent)
+CLIENT_EVENT_TYPES = frozenset({"session.create", "session.resume", "message", "cancel"})
+
+
+# --- WebSocket: server events -----------------------------------------------------------------
+class UsageModel(BaseModel):
+    prompt_tokens: int = Field(description="Whole history at the start of the turn, new message included.")
+    prefilled_tokens: int = Field(description="Tokens this turn fed through the model before decoding.")
+    generated_tokens: int
+
+
+class MemoryModel(BaseModel):
+    device_bytes: int = 0
+    host_bytes: int = 0
+    redis_bytes: int = 0
+    readmitted_tokens: int = 0
+    history_tokens: int = 0
+    device_tokens: int = 0
+
+
+class SessionEvent(BaseModel):
+    type: Literal["session"] = "session"
+    session_id: str
+    token: str
+    mode: str
+    budget: int | None = None
+    replica: str
+    restored: bool = Field(False, description="The session was rebuilt from the store on this replica.")
+
+
+class DeltaEvent(BaseModel):
+    type: Literal["delta"] = "delta"
+    text: str
+
+
+class DoneEvent(BaseModel):
+    type: Literal["done"] = "done"
+    finish_reason: str
+    usage: UsageModel
+    memory: MemoryModel
+    replica: str
+    session_id: str
+    ttft_ms: float = 0.0
+    latency_ms: float = 0.0
+
+
+class ErrorEvent(BaseModel):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+ServerEvent = Annotated[Union[SessionEvent, DeltaEvent, DoneEvent, ErrorEvent], Field(discriminator="type")]
+server_event_adapter: TypeAdapter[ServerEvent] = TypeAdapter(ServerEvent)
+
+
+# --- Session REST ----------------------------------------------------------------------------
+class CreateSessionRequest(_Strict):
+    mode: str | None = None
+    budget: int | None = None
+    system: str | None = None
+
+
+class SessionInfo(BaseModel):
+    """What creating, importing or resuming a session returns; ``token`` is needed for later calls."""
+
+    session_id: str
+    token: str
+    mode: str
+    budget: int | None = None
+    replica: str
+    restored: bool = False
+
+
+class TokenCounts(BaseModel):
+    history: int = Field(description="Tokens of the whole conversation.")
+    cached: int = Field(description="Tokens the KV cache has been fed (the rest is prefilled next turn).")
+    device: int = Field(description="Tokens whose KV is on the device after compression.")
+
+
+class TurnModel(BaseModel):
+    prompt_tokens: int
+    prefilled_tokens: int
+    generated_tokens: int
+    finish_reason: str
+    ttft_ms: float
+    latency_ms: float
+
+
+class SessionSummary(BaseModel):
+    session_id: str
+    mode: str
+    budget: int | None = None
+    turns: int
+    history_tokens: int
+    created_at: float
+    last_used: float
+    replica: str | None = Field(None, description="Replica holding the session in memory; None if only stored.")
+
+
+class SessionDetail(SessionSummary):
+    messages: list[dict[str, Any]]
+    tokens: TokenCounts
+    memory: MemoryModel
+    turn_stats: list[TurnModel]
+    busy: bool
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionSummary]
+
+
+EXPORT_FORMAT = "rocketkv-mt.session/1"
+
+
+class SessionExport(BaseModel):
+    """A portable session: importing it rebuilds the KV cache by prefilling on the next turn."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    format: Literal["rocketkv-mt.session/1"] = EXPORT_FORMAT
+    mode: str | None = None
+    budget: int | None = None
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    token_ids: list[int] | None = Field(
+        None, description="The conversation as the model saw it; omitted means re-render from the messages."
+    )
+    session_id: str | None = Field(None, description="Id at export time (informational; import assigns a new one).")
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    replica: str
+    model: str
+    backend: str
+
+
+# --- OpenAI-compatible -----------------------------------------------------------------------
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    # Unknown OpenAI parameters (penalties, user, ...) are accepted and ignored, as clients send them freely.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    mode: str | None = Field(None, description="Cache mode of a new session (extension).")
+    budget: int | None = Field(None, description="Token budget of a new session (extension).")
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prefilled_tokens: int = Field(description="Prompt tokens actually prefilled (the rest came from the cache).")
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: CompletionUsage
+    session_id: str
+    replica: str
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: CompletionUsage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rocketkv-mt"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

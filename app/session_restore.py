@@ -1,0 +1,162 @@
+"""Sessions to and from plain data: store records, exports, and sessions seeded from a history.
+
+The engine has no restore API; a session is rebuilt here from its public fields with
+``cache=None``, which makes the engine's next turn prefill the whole ``token_ids`` into a fresh
+cache. Nothing here touches tensors: what travels is messages, token ids and settings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import time
+from typing import Any
+
+from app.engine.engine import Engine
+from app.engine.errors import InvalidRequest
+from app.engine.session import Session, TurnStats
+from rocketkv_mt.config import RocketKVConfig
+
+ROLES = ("system", "user", "assistant")
+# Flags the engine keeps on messages; everything else a client sends along is dropped.
+_MESSAGE_FLAGS = ("closed", "cancelled", "error")
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_matches(token: str | None, digest: str | None) -> bool:
+    if not digest or not isinstance(token, str):
+        return False
+    return hmac.compare_digest(token_digest(token), digest)
+
+
+def clean_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise InvalidRequest(f"messages[{i}] needs a role in {ROLES} and a string content")
+        out.append({"role": m["role"], "content": m["content"], **{k: True for k in _MESSAGE_FLAGS if m.get(k)}})
+    return out
+
+
+def render_ids(engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of a finished history, as if every turn had been closed by the chat template.
+
+    A history without any reply stays unrendered: the engine renders it, with the next user
+    message, as a first turn.
+    """
+    if not any(m["role"] == "assistant" for m in messages):
+        return []
+    return engine.chat_format.encode(engine.chat_format.render(messages))
+
+
+def check_ids(engine: Engine, token_ids: list[Any]) -> list[int]:
+    vocab = int(getattr(engine.loaded.model.config, "vocab_size", 0) or len(engine.tokenizer))
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+        raise InvalidRequest(f"token_ids must be integers in [0, {vocab})")
+    if len(token_ids) >= engine.max_context:
+        raise InvalidRequest(f"the session has {len(token_ids)} tokens; the model context is {engine.max_context}")
+    return list(token_ids)
+
+
+def _validated(engine: Engine, mode: str | None, budget: int | None) -> tuple[str, RocketKVConfig]:
+    """Mode and RocketKV config after the engine's own checks (it raises ``UnknownMode``)."""
+    probe = engine.create_session(mode, budget)
+    del engine.sessions[probe.id]
+    return probe.mode, probe.rocket
+
+
+def create_with_id(engine: Engine, session_id: str, mode: str | None, budget: int | None, system: str | None) -> Session:
+    """``Engine.create_session`` under an id chosen by the caller (the router keys on it)."""
+    session = engine.create_session(mode, budget, system)
+    del engine.sessions[session.id]
+    session.id = session_id
+    engine.sessions[session_id] = session
+    return session
+
+
+def seed_session(
+    engine: Engine,
+    session_id: str,
+    *,
+    mode: str | None,
+    budget: int | None,
+    messages: list[Any],
+    token_ids: list[Any] | None = None,
+    rocket: dict[str, Any] | None = None,
+    turns: list[dict[str, Any]] | None = None,
+    created_at: float | None = None,
+) -> Session:
+    """A session holding ``messages`` whose cache is rebuilt from ``token_ids`` on its next turn."""
+    msgs = clean_messages(messages)
+    mode, config = _validated(engine, mode, budget)
+    if rocket:
+        config = RocketKVConfig.model_validate(rocket)
+    ids = check_ids(engine, token_ids) if token_ids is not None else render_ids(engine, msgs)
+    if ids and msgs and token_ids is None:
+        msgs[-1]["closed"] = True  # the rendering already closed the last turn
+    session = Session(id=session_id, mode=mode, rocket=config, cache=None, messages=msgs, token_ids=ids)
+    session.turns = [TurnStats(**t) for t in turns or []]
+    if created_at:
+        session.created_at = created_at
+    engine.sessions[session_id] = session
+    return session
+
+
+def budget_of(session: Session) -> int:
+    return session.rocket.token_budget
+
+
+def summary(session: Session, replica: str | None) -> dict[str, Any]:
+    return {
+        "session_id": session.id,
+        "mode": session.mode,
+        "budget": budget_of(session),
+        "turns": len(session.turns),
+        "history_tokens": len(session.token_ids),
+        "created_at": session.created_at,
+        "last_used": session.last_used,
+        "replica": replica,
+    }
+
+
+def record(session: Session, digest: str) -> dict[str, Any]:
+    """Everything needed to restore the session elsewhere (the store's ``data``)."""
+    return {
+        "id": session.id,
+        "mode": session.mode,
+        "rocket": session.rocket.model_dump(),
+        "messages": session.messages,
+        "token_ids": session.token_ids,
+        "token_sha256": digest,
+        "turns": [dataclasses.asdict(t) for t in session.turns],
+        "created_at": session.created_at,
+        "saved_at": time.time(),
+    }
+
+
+def restore(engine: Engine, data: dict[str, Any]) -> Session:
+    return seed_session(
+        engine,
+        data["id"],
+        mode=data["mode"],
+        budget=None,
+        messages=data["messages"],
+        token_ids=data["token_ids"],
+        rocket=data.get("rocket"),
+        turns=data.get("turns"),
+        created_at=data.get("created_at"),
+    )
+
+
+def export(session: Session) -> dict[str, Any]:
+    return {
+        "format": "rocketkv-mt.session/1",
+        "session_id": session.id,
+        "mode": session.mode,
+        "budget": budget_of(session),
+        "messages": session.messages,
+        "token_ids": session.token_ids,
+    }

@@ -1,0 +1,44 @@
+"""Shared helpers for the benchmarks: engine loading, prompts of an exact size, JSON output."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bench.haystack import filler_text
+
+
+def load_engine(**overrides):
+    from app.engine.engine import Engine
+    from app.settings import Settings
+
+    return Engine(Settings(**overrides))
+
+
+def fit_words(tokenizer, text: str, n_tokens: int) -> str:
+    """The longest prefix of ``text`` (cut at a sentence end) that encodes to at most n_tokens."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
+    cut = tokenizer.decode(ids)
+    end = cut.rfind(". ")
+    return cut[: end + 1] if end > 0 else cut
+
+
+def chat_prompt_ids(tokenizer, content: str) -> list[int]:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+
+
+def context_ids(tokenizer, n_tokens: int, question: str, seed: int = 0) -> list[int]:
+    """A chat prompt of about n_tokens: filler followed by ``question``."""
+    overhead = len(chat_prompt_ids(tokenizer, question)) + 2
+    filler = fit_words(tokenizer, filler_text(n_tokens, seed), n_tokens - overhead)
+    return chat_prompt_ids(tokenizer, filler + "\n\n" + question)
+
+
+def write_json(result: dict, path: str | None) -> None:
+    text = json.dumps(result, indent=2)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+    sys.stdout.write(text + "\n")

@@ -1,0 +1,94 @@
+"""Pick the Triton kernel or the torch reference for each hot path, per call.
+
+Every function takes ``backend``: "auto" (Triton for CUDA tensors when triton is installed, torch
+otherwise), "triton" (always the kernel; on CPU tensors only when TRITON_INTERPRET=1 was set before the
+kernels were first imported) or "torch" (always the reference). The choice is an argument, not module
+state, so two engines with different settings can share a process (the app passes its ``kernels`` setting).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from . import hsa, stage1
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _use_triton(backend: str, tensor: torch.Tensor) -> bool:
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        return True
+    if backend == "auto":
+        return tensor.is_cuda and importlib.util.find_spec("triton") is not None
+    raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+
+
+def _kernels():
+    # Imported on first use: CPU-only installs never load triton, and TRITON_INTERPRET (read when the
+    # kernels are decorated) can still be set by the caller before that.
+    from . import kernels
+
+    return kernels
+
+
+def window_scores(q_win: torch.Tensor, keys: torch.Tensor, scaling: float, *, backend: str = "auto") -> torch.Tensor:
+    """Stage-1 scores: q_win (Hq, W, d), keys (Hkv, L, d) -> float32 (Hkv, L - W). See ``stage1.window_scores``."""
+    if _use_triton(backend, keys):
+        return _kernels().window_scores(q_win, keys, scaling)
+    return stage1.window_scores(q_win, keys, scaling)
+
+
+def page_scores(
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, channels: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
+    """HSA page scores: q (Hkv, G, d), kmin/kmax (Hkv, P, d), channels (Hkv, r) -> float32 (Hkv, P).
+
+    Sessions with the same page count batch by flattening (B, Hkv) into the first axis.
+    See ``hsa.page_scores``.
+    """
+    if _use_triton(backend, q):
+        return _kernels().page_scores(q, kmin, kmax, channels)
+    return hsa.page_scores(q, kmin, kmax, channels)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact attention of q (Hkv, G, d) over tokens/valid (Hkv, T) of keys/values (Hkv, L, d) -> (Hkv, G, d)."""
+    if _use_triton(backend, q):
+        return _kernels().sparse_attention(q, keys, values, tokens, valid, scaling)
+    return hsa.sparse_attention(q, keys, values, tokens, valid, scaling)
+
+
+def sparse_attention_batched(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Batched sparse decode: q (B, Hkv, G, d), keys/values (B, Hkv, Lmax, d), tokens/valid (B, Hkv, T) -> (B, Hkv, G, d).
+
+    Tokens index each session's own rows; rows past a session's length are never read if its tokens
+    stay below it. The torch path runs the reference once over the flattened (B * Hkv) heads.
+    """
+    if _use_triton(backend, q):
+        return _kernels().sparse_attention_batched(q, keys, values, tokens, valid, scaling)
+    bsz, hkv = q.shape[:2]
+    out = hsa.sparse_attention(
+        q.flatten(0, 1), keys.flatten(0, 1), values.flatten(0, 1), tokens.flatten(0, 1), valid.flatten(0, 1), scaling
+    )
+    return out.view(bsz, hkv, *out.shape[1:])
