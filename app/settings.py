@@ -44,6 +44,20 @@ class Settings(BaseSettings):
     )
     max_message_bytes: int = Field(256 * 1024, ge=1, description="Largest accepted user message, in UTF-8 bytes.")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's own).")
+    redis_url: str | None = Field(
+        None, description="Redis URL (e.g. redis://127.0.0.1:6379/0): cold KV spills there and sessions persist."
+    )
+    redis_namespace: str = Field("rkv", description="Prefix of every Redis key this server writes.")
+    redis_ttl_s: int = Field(7 * 86400, ge=60, description="Idle time after which a session's Redis keys expire.")
+    host_tier_bytes: int = Field(
+        2 * 1024**3, ge=1 << 20, description="Bound of the host tier (CPU memory for cold KV chunks), per replica."
+    )
+    chunk_tokens: int = Field(128, ge=8, description="Tokens per cold KV chunk (per layer, all KV heads).")
+    prefill_attention: Literal["dense", "selected"] = Field(
+        "dense",
+        description="Tiered mode: a new turn's tokens attend densely over the whole history (cold streamed "
+        "layer by layer) or only over the re-selected primary set.",
+    )
     kernels: Literal["auto", "torch", "triton"] = Field(
         "auto", description="'auto' uses Triton kernels for CUDA tensors and torch references otherwise."
     )

@@ -34,3 +34,36 @@ def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
             enable_gqa=True,
         )[0]
     return out
+
+
+def positional_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    alive: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of queries (Hq, n, d) at positions q_pos (n,) over slots stored in any order.
+
+    keys/values (Hkv, T, d) with positions key_pos (Hkv, T); a query sees the slots at or before its
+    position, skipping slots where ``alive`` (Hkv, T) is False. Returns (Hq, n, d).
+    """
+    hq, n, _ = q.shape
+    g = hq // keys.shape[0]
+    out = torch.empty_like(q)
+    for start in range(0, n, PREFILL_ROWS):
+        stop = min(n, start + PREFILL_ROWS)
+        mask = key_pos.unsqueeze(1) <= q_pos[start:stop].view(1, -1, 1)  # (Hkv, rows, T)
+        if alive is not None:
+            mask &= alive.unsqueeze(1)
+        out[:, start:stop] = F.scaled_dot_product_attention(
+            q[:, start:stop].unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask.repeat_interleave(g, dim=0).unsqueeze(0),
+            scale=scaling,
+            enable_gqa=True,
+        )[0]
+    return out

@@ -80,7 +80,9 @@ def sparse_attention_batched(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Batched sparse decode: q (B, Hkv, G, d), keys/values (B, Hkv, Lmax, d), tokens/valid (B, Hkv, T) -> (B, Hkv, G, d).
+    """Batched sparse decode over sessions -> (B, Hkv, G, d).
+
+    q (B, Hkv, G, d); keys/values (B, Hkv, Lmax, d); tokens/valid (B, Hkv, T).
 
     Tokens index each session's own rows; rows past a session's length are never read if its tokens
     stay below it. The torch path runs the reference once over the flattened (B * Hkv) heads.

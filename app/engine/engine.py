@@ -27,12 +27,15 @@ from app.engine.errors import (
 )
 from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
 from app.engine.model_runner import ModelRunner
+from app.engine.persistence import persist_session, restore_session
 from app.engine.sampling import SamplingParams, make_generator, sample
 from app.engine.session import Session, TurnStats
 from app.model_loader import LoadedModel, load_model
 from app.settings import Settings
-from rocketkv_mt.cache import CACHE_MODES, SessionCache, make_cache
+from rocketkv_mt.cache import CACHE_MODES, SessionCache, TierContext, make_cache
 from rocketkv_mt.config import RocketKVConfig
+from tiers.host import HostTier
+from tiers.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +50,10 @@ class Engine:
         self.chat_format = ChatFormat(self.tokenizer, extra_eos=self.runner.eos_ids)
         self.max_context = min(settings.max_context or self.runner.max_positions, self.runner.max_positions)
         self.sessions: dict[str, Session] = {}
+        self.redis = (
+            RedisTier(settings.redis_url, settings.redis_namespace, settings.redis_ttl_s) if settings.redis_url else None
+        )
+        self.host_tier = HostTier(settings.host_tier_bytes, self.redis)
         # One worker: model steps of all sessions run one at a time, interleaved step by step.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rkv-model")
 
@@ -60,26 +67,44 @@ class Engine:
         if budget is not None and not (16 <= budget <= self.max_context):
             raise UnknownMode(f"budget must be between 16 and {self.max_context} tokens")
         rocket = RocketKVConfig(token_budget=budget or self.settings.token_budget)
-        session = Session(id=Session.new_id(), mode=mode, rocket=rocket, cache=self._new_cache(mode, rocket))
+        sid = Session.new_id()
+        session = Session(id=sid, mode=mode, rocket=rocket, cache=self._new_cache(mode, rocket, sid))
         if system:
             session.messages.append({"role": "system", "content": system})
         self.sessions[session.id] = session
         return session
 
-    def _new_cache(self, mode: str, rocket: RocketKVConfig) -> SessionCache:
-        return make_cache(mode, self.runner.spec, rocket)
+    def _new_cache(self, mode: str, rocket: RocketKVConfig, session_id: str) -> SessionCache:
+        tiers = TierContext(
+            host=self.host_tier,
+            session_id=session_id,
+            chunk_tokens=self.settings.chunk_tokens,
+            prefill_attention=self.settings.prefill_attention,
+        )
+        return make_cache(mode, self.runner.spec, rocket, tiers=tiers)
 
     def get_session(self, session_id: str) -> Session:
-        try:
-            return self.sessions[session_id]
-        except (KeyError, TypeError):
-            raise SessionNotFound(f"no session {session_id!r}") from None
+        """A session of this engine, or one restored from Redis (another process may have written it)."""
+        if not isinstance(session_id, str) or not session_id:
+            raise SessionNotFound(f"no session {session_id!r}")
+        session = self.sessions.get(session_id)
+        if session is None and self.redis is not None:
+            session = restore_session(self, session_id)
+            if session is not None:
+                self.sessions[session_id] = session
+        if session is None:
+            raise SessionNotFound(f"no session {session_id!r}")
+        return session
 
     def delete_session(self, session_id: str) -> None:
         session = self.get_session(session_id)
         if session.busy:
             raise SessionBusy("the session is generating; cancel it first")
         del self.sessions[session_id]
+        if session.cache is not None:
+            session.cache.release()
+        if self.redis is not None:
+            self.redis.delete_session(session_id)
 
     def cancel(self, session_id: str) -> bool:
         """Ask a generating session to stop after the current step; False if it was idle."""
@@ -149,8 +174,8 @@ class Engine:
         t0 = time.perf_counter()
         session.messages.append({"role": "user", "content": content})
         session.token_ids.extend(new_ids)
-        if session.cache is None:  # a failed step left no usable cache: rebuild from the token ids
-            session.cache = self._new_cache(session.mode, session.rocket)
+        if session.cache is None:  # a failed step or a metadata-only restore: rebuild from the token ids
+            session.cache = self._new_cache(session.mode, session.rocket, session.id)
         cache = session.cache
         prompt_tokens = len(session.token_ids)
         max_new = min(params.max_tokens or self.settings.max_new_tokens, self.max_context - prompt_tokens)
@@ -195,6 +220,8 @@ class Engine:
         tail = detok.flush()
         if tail:
             yield TextDelta(tail)
+        if self.redis is not None:
+            await self._step(lambda: persist_session(self, session))
         yield self._done_event(session, stats, detok.text)
 
     def _finish_turn(
@@ -215,8 +242,10 @@ class Engine:
         stats.finish_reason = finish
         stats.latency_ms = (time.perf_counter() - t0) * 1000
         if session.cache is not None:
+            session.cache.end_turn()
             stats.device_bytes = session.cache.device_bytes()
             stats.kept_tokens = session.cache.kept_tokens()
+            stats.readmitted_tokens = session.cache.readmitted
         session.turns.append(stats)
         session.busy = False
         session.cancel_requested = False
@@ -234,14 +263,20 @@ class Engine:
 
     def memory(self, session: Session) -> MemoryStats:
         cache = session.cache
+        tiers = cache.tier_bytes() if cache else {"device": 0, "host": 0, "redis": 0}
         return MemoryStats(
-            device_bytes=cache.device_bytes() if cache else 0,
+            device_bytes=tiers["device"],
+            host_bytes=tiers["host"],
+            redis_bytes=tiers["redis"],
+            readmitted_tokens=session.turns[-1].readmitted_tokens if session.turns else 0,
             history_tokens=len(session.token_ids),
             device_tokens=cache.kept_tokens() if cache else 0,
         )
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.redis is not None:
+            self.redis.close()
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> "Engine":

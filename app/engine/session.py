@@ -19,6 +19,7 @@ class TurnStats:
     latency_ms: float = 0.0
     device_bytes: int = 0
     kept_tokens: int = 0
+    readmitted_tokens: int = 0  # cold tokens promoted back to the device (summed over layers and KV heads)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Session:
     messages: list[dict] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     turns: list[TurnStats] = field(default_factory=list)
+    owner: str | None = None  # who may use the session (an API key's id); None: anyone with the id
     busy: bool = False
     cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)

@@ -51,6 +51,7 @@ class SessionCache(ABC):
     """
 
     mode: str = "abstract"
+    readmitted: int = 0  # cold tokens promoted back this turn (tiered caches only)
 
     def __init__(self, spec: CacheSpec, rocket: RocketKVConfig | None = None):
         self.spec = spec
@@ -97,13 +98,17 @@ class SessionCache(ABC):
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """q (Hq, n, d); k, v (Hkv, n, d) -> (Hq, n, d)."""
-        store = self.layers[layer]
-        store.append(k, v, self.positions(k.shape[1]))
+        self.layers[layer].append(k, v, self.positions(k.shape[1]))
         if self.step is not None and self.step.prefill:
-            out = dense_attention(q, store.keys, store.values, scaling)
-            self.after_prefill(layer, q, scaling)
-            return out
+            return self.prefill_attention(layer, q, scaling)
         return self.decode_attention(layer, q, scaling)
+
+    def prefill_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A turn's new queries (Hq, n, d) attend densely to everything held, then the cache reorganises."""
+        store = self.layers[layer]
+        out = dense_attention(q, store.keys, store.values, scaling)
+        self.after_prefill(layer, q, scaling)
+        return out
 
     def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of one decode query (Hq, 1, d) over the layer's kept tokens (new one included)."""
@@ -113,6 +118,24 @@ class SessionCache(ABC):
     @abstractmethod
     def after_prefill(self, layer: int, q: torch.Tensor, scaling: float) -> None:
         """Called once per layer at the end of a turn's prefill, with the turn's queries (Hq, n, d)."""
+
+    def end_turn(self) -> None:
+        """Called by the engine when a turn's reply is finished (tiered caches persist here)."""
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes of this session per tier."""
+        return {"device": self.device_bytes(), "host": 0, "redis": 0}
+
+    def release(self) -> None:
+        """Free whatever the session holds outside the device (called when the session is deleted)."""
+
+    def persist(self) -> dict | None:
+        """Write the KV to Redis and return a JSON-able record of it; None where the mode keeps no KV there."""
+        return None
+
+    def restore(self, state: dict) -> bool:
+        """Rebuild from ``persist``'s record; False when that is not possible (the history is re-prefilled)."""
+        return False
 
     # --- accounting --------------------------------------------------------------------------
     def kept_tokens(self) -> int:

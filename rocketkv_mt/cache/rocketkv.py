@@ -5,6 +5,7 @@ import torch
 
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.snapkv import SnapKVCache
+from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.hsa import hsa_decode
 from rocketkv_mt.kt_cache import KTCache
 
@@ -18,10 +19,17 @@ class RocketKVCache(SnapKVCache):
 
     def after_prefill(self, layer: int, q: torch.Tensor, scaling: float) -> None:
         super().after_prefill(layer, q, scaling)
-        self.kt[layer] = KTCache(self.layers[layer].keys, self.split.page_size)
+        self.build_kt(layer)
+
+    def build_kt(self, layer: int) -> None:
+        self.kt[layer] = KTCache(self.sparse_store(layer).keys, self.split.page_size)
+
+    def sparse_store(self, layer: int) -> LayerKV:
+        """The tokens HSA reads at decode; they already include the token being decoded."""
+        return self.layers[layer]
 
     def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
-        store, kt, split = self.layers[layer], self.kt[layer], self.split
+        store, kt, split = self.sparse_store(layer), self.kt[layer], self.split
         kt.append(store.keys[:, -1])
         # Reading every kept token costs no more than the budget: attend exactly.
         if store.length <= split.token_budget:

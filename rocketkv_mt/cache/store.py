@@ -41,7 +41,8 @@ class LayerKV:
         new_cap = -(-new_cap // self.chunk) * self.chunk
         for name in ("_k", "_v", "_pos"):
             old = getattr(self, name)
-            buf = old.new_empty(old.shape[0], new_cap, *old.shape[2:])
+            # Zeros, not garbage: HSA reads a partial last page whole (masked), and NaN * 0 would leak.
+            buf = old.new_zeros(old.shape[0], new_cap, *old.shape[2:])
             buf[:, : self.length] = old[:, : self.length]
             setattr(self, name, buf)
 

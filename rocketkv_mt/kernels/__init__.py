@@ -30,13 +30,17 @@ def check_tensors(*tensors: torch.Tensor) -> None:
             )
 
 
-def dot_in_f32(dtype: torch.dtype) -> bool:
-    """Whether kernels should up-cast dot operands to fp32 (and use IEEE precision).
+def dot_options(dtype: torch.dtype, fp32_precision: str = "ieee") -> dict:
+    """Constexpr options for ``tl.dot`` on operands of ``dtype``: UPCAST to fp32 first, and PRECISION.
 
-    fp32 inputs must not silently drop to TF32 (the references compute in fp32). The interpreter's
-    dot reinterprets bfloat16 storage (uint16) as integers, so there every operand is up-cast too.
+    The interpreter's dot multiplies bfloat16 storage (uint16) as integers, so there operands are up-cast.
+    On a GPU, fp32 operands must not drop to plain TF32 (the references compute in fp32): they use
+    ``fp32_precision`` ("ieee", or "tf32x3" where IEEE tiles would spill registers); 16-bit operands are
+    multiplied natively with fp32 accumulation (exact products, like the reference's up-cast matmul).
     """
-    return INTERPRETED or dtype == torch.float32
+    if INTERPRETED:
+        return {"UPCAST": True, "PRECISION": "ieee"}
+    return {"UPCAST": False, "PRECISION": fp32_precision if dtype == torch.float32 else "ieee"}
 
 
 from .page_scores import page_scores  # noqa: E402

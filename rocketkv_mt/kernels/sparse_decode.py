@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import check_tensors, dot_in_f32
+from . import check_tensors, dot_options
 
 _LOG2E = 1.4426950408889634
 
@@ -25,7 +25,7 @@ def _sparse_decode(
     sqb, sqh, sqg, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
     stb, sth, stt, sab, sah, sat, sob, soh, sog, sod,
     BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -36,8 +36,9 @@ def _sparse_decode(
     dd = tl.arange(0, BLOCK_D)
     dm = dd < D
     # The group is padded to >= 16 rows so tl.dot's minimum tile holds; padded rows are zeros, never stored.
-    q = tl.load(q_ptr + b * sqb + h * sqh + g[:, None] * sqg + dd[None, :] * sqd, mask=gm[:, None] & dm[None, :], other=0.0)
-    if DOT_F32:
+    q_off = b * sqb + h * sqh + g[:, None] * sqg + dd[None, :] * sqd
+    q = tl.load(q_ptr + q_off, mask=gm[:, None] & dm[None, :], other=0.0)
+    if UPCAST:
         q = q.to(tl.float32)
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
@@ -55,17 +56,17 @@ def _sparse_decode(
         kv_mask = ok[:, None] & dm[None, :]
         k = tl.load(k_base + idx[:, None] * skl + dd[None, :] * skd, mask=kv_mask, other=0.0)
         v = tl.load(v_base + idx[:, None] * svl + dd[None, :] * svd, mask=kv_mask, other=0.0)
-        if DOT_F32:
+        if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block must not yield NaN
         alpha = tl.exp2(m - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     if SPLIT:
         part = (pid * tl.num_programs(1) + split) * G + g
@@ -139,7 +140,7 @@ def sparse_attention_batched(
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
-    block_t = 64
+    block_t = 32 if keys.dtype == torch.float32 else 64  # register budget of the gathered K/V tiles
     blocks = max(1, triton.cdiv(t, block_t))
     n_split = min(blocks, splits or _default_splits(bsz * hkv, blocks, q.device))
     per_split = triton.cdiv(blocks, n_split) * block_t
@@ -157,7 +158,7 @@ def sparse_attention_batched(
         hkv, g, d, t, per_split, scaling * _LOG2E,
         *q.stride(), *keys.stride(), *values.stride(), *tokens.stride(), *valid.stride(), *out.stride(),
         BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d,
-        SPLIT=n_split > 1, DOT_F32=dot_in_f32(keys.dtype),
+        SPLIT=n_split > 1, num_warps=8, **dot_options(keys.dtype),
     )
     if n_split > 1:
         _merge_splits[(bsz * hkv,)](

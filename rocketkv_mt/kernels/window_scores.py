@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import check_tensors, dot_in_f32
+from . import check_tensors, dot_options
 
 _LOG2E = 1.4426950408889634
 
@@ -24,7 +24,7 @@ def _row_stats(
     q_ptr, k_ptr, m_ptr, l_ptr,
     G, W, L, D, per_split, qk_scale,
     sqh, sqw, sqd, skh, skl, skd,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     mb = tl.program_id(1)
@@ -36,7 +36,7 @@ def _row_stats(
     dm = dd < D
     q_off = (h * G + rows // W) * sqh + qi * sqw
     q = tl.load(q_ptr + q_off[:, None] + dd[None, :] * sqd, mask=rm[:, None] & dm[None, :], other=0.0)
-    if DOT_F32:
+    if UPCAST:
         q = q.to(tl.float32)
     q_pos = L - W + qi
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -47,9 +47,9 @@ def _row_stats(
         kp = n0 + tl.arange(0, BLOCK_N)
         km = kp < stop
         k = tl.load(k_ptr + h * skh + kp[:, None] * skl + dd[None, :] * skd, mask=km[:, None] & dm[None, :], other=0.0)
-        if DOT_F32:
+        if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(km[None, :] & (kp[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # split wholly after the query: no NaN
@@ -65,7 +65,7 @@ def _prefix_mass(
     q_ptr, k_ptr, lse_ptr, out_ptr,
     G, W, L, D, qk_scale,
     sqh, sqw, sqd, skh, skl, skd,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -75,7 +75,7 @@ def _prefix_mass(
     dd = tl.arange(0, BLOCK_D)
     dm = dd < D
     k = tl.load(k_ptr + h * skh + kp[:, None] * skl + dd[None, :] * skd, mask=km[:, None] & dm[None, :], other=0.0)
-    if DOT_F32:
+    if UPCAST:
         k = k.to(tl.float32)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     # Every prefix key precedes every window query, so no causal mask is needed here.
@@ -84,10 +84,10 @@ def _prefix_mass(
         rm = rows < G * W
         q_off = (h * G + rows // W) * sqh + (rows % W) * sqw
         q = tl.load(q_ptr + q_off[:, None] + dd[None, :] * sqd, mask=rm[:, None] & dm[None, :], other=0.0)
-        if DOT_F32:
+        if UPCAST:
             q = q.to(tl.float32)
         lse = tl.load(lse_ptr + h * G * W + rows, mask=rm, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.where(rm[:, None], tl.exp2(s - lse[:, None]), 0.0)
         total += tl.sum(p, axis=0)
     tl.store(out_ptr + h * n_prefix + kp, total, mask=km)
@@ -107,9 +107,10 @@ def window_scores(q_win: torch.Tensor, keys: torch.Tensor, scaling: float, split
     out = torch.empty(hkv, length - w, dtype=torch.float32, device=keys.device)
     if out.numel() == 0:
         return out
-    block_m, block_n = 64, 64
+    # fp32 tiles are halved and use 3xTF32: IEEE fp32 dots of 64x64x128 tiles spill registers.
+    block_m, block_n = (32, 64) if keys.dtype == torch.float32 else (64, 64)
     block_d = max(16, triton.next_power_of_2(d))
-    f32 = dot_in_f32(keys.dtype)
+    dot = dot_options(keys.dtype, fp32_precision="tf32x3")
     qk_scale = scaling * _LOG2E
     row_blocks = triton.cdiv(g * w, block_m)
     seq_blocks = triton.cdiv(length, block_n)
@@ -123,13 +124,13 @@ def window_scores(q_win: torch.Tensor, keys: torch.Tensor, scaling: float, split
     strides = (*q_win.stride(), *keys.stride())
     _row_stats[(hkv, row_blocks, n_split)](
         q_win, keys, m, l, g, w, length, d, per_split, qk_scale, *strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=f32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=8, **dot,
     )
     # Merge the splits into one log2-sum-exp per row (every row sees key 0, so the max is finite).
     m_row = m.amax(dim=-1, keepdim=True)
     lse = (m_row + torch.log2((l * torch.exp2(m - m_row)).sum(dim=-1, keepdim=True))).squeeze(-1).contiguous()
     _prefix_mass[(hkv, triton.cdiv(length - w, block_n))](
         q_win, keys, lse, out, g, w, length, d, qk_scale, *strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=f32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=8, **dot,
     )
     return out

@@ -1,0 +1,64 @@
+"""Session persistence in Redis: metadata as JSON, tiered KV as raw tensors (never pickle).
+
+A session written here can be resumed by any process that reaches the same Redis: tiered sessions
+come back exactly (primary set and cold chunks); other modes come back with their messages and
+token ids and re-prefill the history on their next turn.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from app.engine.session import Session, TurnStats
+from rocketkv_mt.config import RocketKVConfig
+
+if TYPE_CHECKING:
+    from app.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+FORMAT = 1
+
+
+def persist_session(engine: "Engine", session: Session) -> bool:
+    """Write the session's metadata (and its KV, for tiered sessions); False when Redis is unavailable."""
+    cache = session.cache
+    kv_state = cache.persist() if cache is not None else None
+    meta = {
+        "format": FORMAT,
+        "id": session.id,
+        "mode": session.mode,
+        "rocket": session.rocket.model_dump(),
+        "messages": session.messages,
+        "token_ids": session.token_ids,
+        "turns": [vars(t) for t in session.turns],
+        "created_at": session.created_at,
+        "owner": session.owner,
+        "kv": kv_state,
+    }
+    return engine.redis.put_meta(session.id, meta)
+
+
+def restore_session(engine: "Engine", session_id: str) -> Session | None:
+    meta = engine.redis.get_meta(session_id)
+    if not meta or meta.get("format") != FORMAT or meta.get("id") != session_id:
+        return None
+    rocket = RocketKVConfig(**meta["rocket"])
+    session = Session(
+        id=session_id,
+        mode=meta["mode"],
+        rocket=rocket,
+        cache=None,
+        messages=list(meta["messages"]),
+        token_ids=[int(t) for t in meta["token_ids"]],
+        turns=[TurnStats(**t) for t in meta.get("turns", [])],
+        created_at=float(meta.get("created_at", 0.0)),
+        owner=meta.get("owner"),
+    )
+    kv_state = meta.get("kv")
+    if kv_state is not None:
+        cache = engine._new_cache(session.mode, rocket, session_id)
+        if cache.restore(kv_state):
+            session.cache = cache
+        else:
+            log.warning("session %s: stored KV incomplete; the history will be re-prefilled", session_id)
+    return session

@@ -1,0 +1,72 @@
+"""Stage 1 over a whole history whose tokens sit in any order (device primary set + cold tiers).
+
+Shapes: Hq query heads, Hkv KV heads, w window queries, T stored slots, H history length, d head dim.
+"""
+from __future__ import annotations
+
+import torch
+
+from rocketkv_mt.stage1 import select_top, smooth
+
+
+def scattered_window_scores(
+    q_win: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    alive: torch.Tensor | None,
+    history_len: int,
+    scaling: float,
+) -> torch.Tensor:
+    """Window attention mass per history position: (Hkv, H - w) float32.
+
+    q_win (Hq, w, d): the last w queries, at positions H - w .. H - 1. keys (Hkv, T, d) with their
+    positions key_pos (Hkv, T); slots where ``alive`` is False hold no token and are ignored.
+    The same quantity as ``stage1.window_scores`` on the keys put back in position order.
+    """
+    hq, w, d = q_win.shape
+    hkv, t, _ = keys.shape
+    g = hq // hkv
+    logits = torch.matmul(q_win.reshape(hkv, g * w, d).float(), keys.float().transpose(1, 2)) * scaling
+    q_pos = torch.arange(history_len - w, history_len, device=keys.device).repeat(g)  # (g*w,)
+    hidden = key_pos.unsqueeze(1) > q_pos.view(1, -1, 1)  # (Hkv, g*w, T)
+    if alive is not None:
+        hidden |= ~alive.unsqueeze(1)
+    probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1).sum(dim=1)  # (Hkv, T)
+    # Put each slot's score at its position; dead slots and the window itself land in a discard column.
+    prefix = history_len - w
+    target = key_pos.clone()
+    drop = target >= prefix
+    if alive is not None:
+        drop |= ~alive
+    target[drop] = prefix
+    out = torch.zeros(hkv, prefix + 1, dtype=torch.float32, device=keys.device)
+    out.scatter_add_(1, target, probs)
+    return out[:, :prefix]
+
+
+def reselect(
+    q_win: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    alive: torch.Tensor | None,
+    history_len: int,
+    prompt_budget: int,
+    kernel_size: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's choice over the whole history: (slot indices, positions), each (Hkv, prompt_budget).
+
+    Keeps the top (prompt_budget - w) smoothed scores per KV head plus the w window positions;
+    both outputs are in ascending position order. Requires every position < H in exactly one alive slot.
+    """
+    w = q_win.shape[1]
+    scores = smooth(scattered_window_scores(q_win, keys, key_pos, alive, history_len, scaling), kernel_size)
+    hkv = keys.shape[0]
+    window = torch.arange(history_len - w, history_len, device=keys.device).expand(hkv, w)
+    positions = torch.cat([select_top(scores, prompt_budget - w), window], dim=1)
+    # Inverse map position -> slot, from the alive slots only.
+    slot_of = torch.full((hkv, history_len + 1), -1, dtype=torch.long, device=keys.device)
+    target = key_pos.clamp(0, history_len) if alive is None else torch.where(alive, key_pos, history_len)
+    slots = torch.arange(keys.shape[1], device=keys.device).expand(hkv, -1)
+    slot_of.scatter_(1, target, slots)
+    return torch.gather(slot_of, 1, positions), positions
