@@ -133,9 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p, sampling=False)
     p.set_defaults(func=cmd_model)
 
-    from app.bench_cli import add_bench_parser
+    from app.bench_cli import add_bench_parser, add_eval_parser
+    from app.serve import add_serve_parser
 
     add_bench_parser(sub)
+    add_eval_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Serving settings (HTTP, Ray Serve, Redis session store), kept apart from the engine's ``Settings``.
+"""Serving settings (HTTP, Ray Serve, session handling), kept apart from the engine's ``Settings``.
 
 ``ServeSettings`` is a mixin of extra ``RKV_`` fields; ``ServerSettings`` is what the serving
 code reads: the engine settings and these together, from one environment.
@@ -57,14 +57,7 @@ class ServeSettings(BaseSettings):
         20.0, ge=0, description="How long the ingress retries a request whose replica died before it answered."
     )
 
-    # Session store
-    redis_url: str | None = Field(
-        None, description="Redis for session metadata (restore on another replica); unset keeps sessions local."
-    )
-    redis_prefix: str = Field("rkv", description="Namespace of this server's Redis keys.")
-    session_ttl_s: int = Field(
-        7 * 24 * 3600, ge=60, description="Idle time after which a session's Redis record expires."
-    )
+    # Sessions (Redis itself is configured by the engine's redis_url / redis_namespace / redis_ttl_s)
     idle_evict_s: float = Field(
         3600.0,
         ge=1,

@@ -68,11 +68,17 @@ def _validated(engine: Engine, mode: str | None, budget: int | None) -> tuple[st
     return probe.mode, probe.rocket
 
 
-def create_with_id(engine: Engine, session_id: str, mode: str | None, budget: int | None, system: str | None) -> Session:
-    """``Engine.create_session`` under an id chosen by the caller (the router keys on it)."""
-    session = engine.create_session(mode, budget, system)
-    del engine.sessions[session.id]
-    session.id = session_id
+def create_with_id(
+    engine: Engine, session_id: str, mode: str | None, budget: int | None, system: str | None
+) -> Session:
+    """A new session under an id chosen by the caller (the router keys on it).
+
+    Its cache is made by the engine at the first turn, so that the cache's tier keys carry this id.
+    """
+    mode, rocket = _validated(engine, mode, budget)
+    session = Session(id=session_id, mode=mode, rocket=rocket, cache=None)
+    if system:
+        session.messages.append({"role": "system", "content": system})
     engine.sessions[session_id] = session
     return session
 

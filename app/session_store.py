@@ -1,29 +1,33 @@
-"""Session metadata in Redis, so that any replica can restore a session whose replica is gone.
+"""Serving-side session records in Redis, so that any replica can restore a session whose replica is gone.
 
-One hash per session at ``{prefix}:session:{id}``: ``version`` (a counter bumped by every save),
-``data`` (JSON: mode, RocketKV config, messages, token ids, owner-token digest, timestamps) and
-``summary`` (a small JSON for listings). JSON only, never pickle. Keys expire after an idle TTL
-that every save and restore renews.
+One hash per session at ``{ns}:session:{id}``: ``version`` (a counter bumped by every save),
+``data`` (JSON: mode, RocketKV config, messages, token ids, owner-token digest, turn stats) and
+``summary`` (a small JSON for listings); a sorted set ``{ns}:sessions`` indexes them by last
+save time. JSON only, never pickle. Keys expire after an idle TTL that saves and loads renew.
+(The engine keeps its own ``{ns}:session:{id}:meta`` and KV chunk keys next to these.)
 
-Saves are compare-and-set on ``version``: a replica that holds a stale copy (another replica
-took the session over meanwhile) fails its save and learns that its copy is stale.
+Saves are compare-and-set on ``version``: a replica holding a stale copy (another replica took
+the session over meanwhile) fails its save and so learns that its copy is stale.
 """
 from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] = session key; ARGV = expected version ('' = must not exist), new version, data, summary, ttl
+# KEYS = session key, index key; ARGV = expected version ('' = must not exist), new version, data,
+# summary, ttl, session id, now
 _CAS_SAVE = """
 local cur = redis.call('HGET', KEYS[1], 'version')
 if (cur == false and ARGV[1] == '') or (cur ~= false and cur == ARGV[1]) then
   redis.call('HSET', KEYS[1], 'version', ARGV[2], 'data', ARGV[3], 'summary', ARGV[4])
   redis.call('EXPIRE', KEYS[1], ARGV[5])
+  redis.call('ZADD', KEYS[2], ARGV[7], ARGV[6])
   return 1
 end
 return 0
@@ -31,18 +35,22 @@ return 0
 
 
 class SessionStore:
-    def __init__(self, url: str, prefix: str = "rkv", ttl_s: int = 7 * 24 * 3600):
+    def __init__(self, url: str, namespace: str = "rkv", ttl_s: int = 7 * 24 * 3600):
         self.url = url
-        self.prefix = prefix
+        self.ns = namespace
         self.ttl_s = int(ttl_s)
         self._redis = aioredis.from_url(url, decode_responses=True)
         self._cas = self._redis.register_script(_CAS_SAVE)
 
     def key(self, session_id: str) -> str:
-        return f"{self.prefix}:session:{session_id}"
+        return f"{self.ns}:session:{session_id}"
+
+    @property
+    def _index(self) -> str:
+        return f"{self.ns}:sessions"
 
     def _replica_key(self, replica: str) -> str:
-        return f"{self.prefix}:replica:{replica}"
+        return f"{self.ns}:replica:{replica}"
 
     async def ping(self) -> bool:
         return bool(await self._redis.ping())
@@ -52,8 +60,9 @@ class SessionStore:
         expected = "" if expected_version is None else str(expected_version)
         new_version = (expected_version or 0) + 1
         ok = await self._cas(
-            keys=[self.key(data["id"])],
-            args=[expected, str(new_version), json.dumps(data), json.dumps(summary), str(self.ttl_s)],
+            keys=[self.key(data["id"]), self._index],
+            args=[expected, str(new_version), json.dumps(data), json.dumps(summary), str(self.ttl_s),
+                  data["id"], repr(time.time())],
         )
         return bool(ok)
 
@@ -72,17 +81,24 @@ class SessionStore:
         return None if value is None else int(value)
 
     async def delete(self, session_id: str) -> None:
-        await self._redis.delete(self.key(session_id))
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.key(session_id))
+            pipe.zrem(self._index, session_id)
+            await pipe.execute()
 
     async def summaries(self, limit: int = 1000) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        async for key in self._redis.scan_iter(match=f"{self.prefix}:session:*", count=200):
-            raw = await self._redis.hget(key, "summary")
-            if raw:
-                out.append(json.loads(raw))
-            if len(out) >= limit:
-                break
-        return out
+        """Most recently saved first; index entries whose session expired are dropped on the way."""
+        ids = await self._redis.zrevrange(self._index, 0, limit - 1)
+        if not ids:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for sid in ids:
+                pipe.hget(self.key(sid), "summary")
+            raws = await pipe.execute()
+        gone = [sid for sid, raw in zip(ids, raws) if raw is None]
+        if gone:
+            await self._redis.zrem(self._index, *gone)
+        return [json.loads(raw) for raw in raws if raw is not None]
 
     async def put_replica_stats(self, replica: str, stats: dict[str, Any], ttl_s: int) -> None:
         await self._redis.set(self._replica_key(replica), json.dumps(stats), ex=ttl_s)
@@ -91,7 +107,7 @@ class SessionStore:
         await self._redis.delete(self._replica_key(replica))
 
     async def replica_stats(self) -> list[dict[str, Any]]:
-        keys = [k async for k in self._redis.scan_iter(match=f"{self.prefix}:replica:*", count=100)]
+        keys = [k async for k in self._redis.scan_iter(match=f"{self.ns}:replica:*", count=100)]
         if not keys:
             return []
         return [json.loads(v) for v in await self._redis.mget(keys) if v]

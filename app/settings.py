@@ -31,10 +31,12 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; 'auto' is bfloat16 on CUDA and float32 on CPU."
     )
-    mode: CacheMode = Field("full", description="Default KV cache mode of new sessions.")
+    mode: CacheMode = Field("tiered", description="Default KV cache mode of new sessions.")
     token_budget: int = Field(
         256, ge=16, description="RocketKV token budget t; the other compression sizes derive from it."
     )
+    window_size: int = Field(32, ge=1, description="Stage-1 observation window W (queries that score the history).")
+    kernel_size: int = Field(63, ge=1, description="Stage-1 max-pool kernel over the scores (odd).")
     max_new_tokens: int = Field(256, ge=1, description="Default cap on generated tokens per turn.")
     max_tokens_limit: int = Field(
         4096, ge=1, description="Largest max_tokens a request may ask for."

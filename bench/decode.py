@@ -9,7 +9,6 @@ import statistics
 import time
 
 from bench.common import context_ids, load_engine, write_json
-from rocketkv_mt.cache import make_cache
 from rocketkv_mt.config import RocketKVConfig
 
 
@@ -24,7 +23,7 @@ def main(args) -> int:
     rocket = RocketKVConfig(token_budget=args.budget)
     caches, next_tok, prefill_s = {}, {}, {}
     for mode in modes:
-        cache = make_cache(mode, runner.spec, rocket)
+        cache = engine.new_cache(mode, rocket, f"bench-{mode}")
         t0 = time.perf_counter()
         logits = runner.forward(ids, cache, prefill=True, max_new=total_new)
         prefill_s[mode] = time.perf_counter() - t0

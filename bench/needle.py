@@ -6,7 +6,6 @@ import time
 
 from bench.common import chat_prompt_ids, fit_words, load_engine, write_json
 from bench.haystack import filler_text
-from rocketkv_mt.cache import make_cache
 from rocketkv_mt.config import RocketKVConfig
 
 QUESTION = "What is the pass key? Answer with the number only."
@@ -42,7 +41,7 @@ def main(args) -> int:
     modes = [m for m in args.modes.split(",") if m]
     lengths = [int(x) for x in args.lengths.split(",") if x]
     rng = random.Random(1234)
-    rocket = RocketKVConfig(token_budget=args.budget)
+    rocket = RocketKVConfig(token_budget=args.budget, kernel_size=args.kernel_size or engine.settings.kernel_size)
     cases, per_mode = [], {m: 0 for m in modes}
     t0 = time.perf_counter()
     for length in lengths:
@@ -52,7 +51,9 @@ def main(args) -> int:
             ids = needle_prompt(tok, length, key, depth, seed=length + c)
             row = {"length": len(ids), "depth": depth, "key": key, "replies": {}}
             for mode in modes:
-                reply = greedy_reply(runner, tok, ids, make_cache(mode, runner.spec, rocket), 12, engine.chat_format.eos_ids)
+                cache = engine.new_cache(mode, rocket, f"needle-{mode}-{len(cases)}")
+                reply = greedy_reply(runner, tok, ids, cache, 12, engine.chat_format.eos_ids)
+                cache.release()
                 ok = key in reply
                 per_mode[mode] += ok
                 row["replies"][mode] = {"text": reply, "correct": ok}
@@ -60,6 +61,7 @@ def main(args) -> int:
     total = len(cases)
     result = {
         "budget": args.budget,
+        "kernel_size": rocket.kernel_size,
         "cases": total,
         "modes": {m: {"correct": per_mode[m], "total": total, "accuracy": round(per_mode[m] / max(total, 1), 3)} for m in modes},
         "per_length": {

@@ -16,7 +16,7 @@ from . import hsa, stage1
 BACKENDS = ("auto", "torch", "triton")
 
 
-def _use_triton(backend: str, tensor: torch.Tensor) -> bool:
+def uses_triton(backend: str, tensor: torch.Tensor) -> bool:
     if backend == "torch":
         return False
     if backend == "triton":
@@ -36,7 +36,7 @@ def _kernels():
 
 def window_scores(q_win: torch.Tensor, keys: torch.Tensor, scaling: float, *, backend: str = "auto") -> torch.Tensor:
     """Stage-1 scores: q_win (Hq, W, d), keys (Hkv, L, d) -> float32 (Hkv, L - W). See ``stage1.window_scores``."""
-    if _use_triton(backend, keys):
+    if uses_triton(backend, keys):
         return _kernels().window_scores(q_win, keys, scaling)
     return stage1.window_scores(q_win, keys, scaling)
 
@@ -49,7 +49,7 @@ def page_scores(
     Sessions with the same page count batch by flattening (B, Hkv) into the first axis.
     See ``hsa.page_scores``.
     """
-    if _use_triton(backend, q):
+    if uses_triton(backend, q):
         return _kernels().page_scores(q, kmin, kmax, channels)
     return hsa.page_scores(q, kmin, kmax, channels)
 
@@ -65,7 +65,7 @@ def sparse_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Exact attention of q (Hkv, G, d) over tokens/valid (Hkv, T) of keys/values (Hkv, L, d) -> (Hkv, G, d)."""
-    if _use_triton(backend, q):
+    if uses_triton(backend, q):
         return _kernels().sparse_attention(q, keys, values, tokens, valid, scaling)
     return hsa.sparse_attention(q, keys, values, tokens, valid, scaling)
 
@@ -87,10 +87,31 @@ def sparse_attention_batched(
     Tokens index each session's own rows; rows past a session's length are never read if its tokens
     stay below it. The torch path runs the reference once over the flattened (B * Hkv) heads.
     """
-    if _use_triton(backend, q):
+    if uses_triton(backend, q):
         return _kernels().sparse_attention_batched(q, keys, values, tokens, valid, scaling)
     bsz, hkv = q.shape[:2]
     out = hsa.sparse_attention(
         q.flatten(0, 1), keys.flatten(0, 1), values.flatten(0, 1), tokens.flatten(0, 1), valid.flatten(0, 1), scaling
     )
     return out.view(bsz, hkv, *out.shape[1:])
+
+
+def hsa_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    page_size: int,
+    topr: int,
+    topk: int,
+    scaling: float,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``hsa.hsa_attention`` with its two heavy steps (page scoring, sparse attention) dispatched."""
+    channels = hsa.select_channels(q, topr)
+    scores = page_scores(q, kmin, kmax, channels, backend=backend)
+    pages = hsa.select_pages(scores, -(-topk // page_size))
+    tokens, valid = hsa.page_tokens(pages, page_size, keys.shape[1])
+    return sparse_attention(q, keys, values, tokens, valid, scaling, backend=backend)

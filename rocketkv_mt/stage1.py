@@ -57,9 +57,12 @@ def snapkv_keep_indices(
 
     q_win: (Hq, W, d) window queries; keys: (Hkv, L, d). Requires L > prompt_budget > W.
     """
-    w = q_win.shape[1]
-    length = keys.shape[1]
-    scores = smooth(window_scores(q_win, keys, scaling), kernel_size)
-    prefix = select_top(scores, prompt_budget - w)
-    window = torch.arange(length - w, length, device=keys.device).expand(keys.shape[0], w)
-    return torch.cat([prefix, window], dim=1)
+    return keep_from_scores(window_scores(q_win, keys, scaling), q_win.shape[1], prompt_budget, kernel_size)
+
+
+def keep_from_scores(scores: torch.Tensor, window: int, prompt_budget: int, kernel_size: int) -> torch.Tensor:
+    """Stage 1's choice from raw window scores (Hkv, L - W): smoothed top (budget - W) plus the window."""
+    length = scores.shape[1] + window
+    prefix = select_top(smooth(scores, kernel_size), prompt_budget - window)
+    tail = torch.arange(length - window, length, device=scores.device).expand(scores.shape[0], window)
+    return torch.cat([prefix, tail], dim=1)

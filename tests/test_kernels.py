@@ -168,3 +168,19 @@ def test_dispatch_kernel_backends():
         with pytest.raises(ValueError):
             routed(*args, backend="cuda")
     assert dispatch.window_scores(q_win, keys[:, :6], scale, backend="triton").shape == (HKV, 0)
+
+
+@pytest.mark.kernel
+def test_kernel_dispatched_hsa_attention_matches_reference():
+    from rocketkv_mt import dispatch
+    from rocketkv_mt.hsa import hsa_attention
+    from rocketkv_mt.kt_cache import page_minmax
+
+    torch.manual_seed(11)
+    hkv, g, d, length, page = 2, 4, 64, 77, 3
+    q = torch.randn(hkv, g, d)
+    keys, values = torch.randn(hkv, length, d), torch.randn(hkv, length, d)
+    kmin, kmax = page_minmax(keys, page)
+    ref = hsa_attention(q, keys, values, kmin, kmax, page, 16, 24, d ** -0.5)
+    got = dispatch.hsa_attention(q, keys, values, kmin, kmax, page, 16, 24, d ** -0.5, backend="triton")
+    assert torch.allclose(got, ref, atol=1e-4)

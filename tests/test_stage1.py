@@ -41,7 +41,7 @@ def test_kept_indices_equal_brute_force(group, seed):
     assert torch.equal(got, want)
 
 
-def test_kernel_63_and_window_32_defaults_on_longer_sequence():
+def test_pool_63_and_window_32_defaults_on_longer_sequence():
     torch.manual_seed(3)
     hkv, g, w, d, length, budget = 3, 3, 32, 32, 400, 100
     q = torch.randn(hkv * g, w, d, dtype=torch.float64)

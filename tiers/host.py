@@ -73,8 +73,10 @@ class HostTier:
         return True
 
     # --- chunks ------------------------------------------------------------------------------
+    @torch.inference_mode()
     def put(self, key: ChunkKey, chunk: Chunk) -> None:
         """Store a chunk demoted from the device (copied into a slot)."""
+        # Inference mode: slots made during a model step are inference tensors, writable only there.
         slot = self._take_slot(chunk)
         dst = self._slots[slot]
         for name in ("keys", "values", "positions"):

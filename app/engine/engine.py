@@ -46,7 +46,7 @@ class Engine:
         self.settings = settings
         self.loaded = loaded or load_model(settings)
         self.tokenizer = self.loaded.tokenizer
-        self.runner = ModelRunner(self.loaded)
+        self.runner = ModelRunner(self.loaded, kernels=settings.kernels)
         self.chat_format = ChatFormat(self.tokenizer, extra_eos=self.runner.eos_ids)
         self.max_context = min(settings.max_context or self.runner.max_positions, self.runner.max_positions)
         self.sessions: dict[str, Session] = {}
@@ -66,15 +66,20 @@ class Engine:
             raise UnknownMode(f"unknown mode {mode!r}; available: {', '.join(sorted(CACHE_MODES))}")
         if budget is not None and not (16 <= budget <= self.max_context):
             raise UnknownMode(f"budget must be between 16 and {self.max_context} tokens")
-        rocket = RocketKVConfig(token_budget=budget or self.settings.token_budget)
+        rocket = RocketKVConfig(
+            token_budget=budget or self.settings.token_budget,
+            window_size=self.settings.window_size,
+            kernel_size=self.settings.kernel_size,
+        )
         sid = Session.new_id()
-        session = Session(id=sid, mode=mode, rocket=rocket, cache=self._new_cache(mode, rocket, sid))
+        session = Session(id=sid, mode=mode, rocket=rocket, cache=self.new_cache(mode, rocket, sid))
         if system:
             session.messages.append({"role": "system", "content": system})
         self.sessions[session.id] = session
         return session
 
-    def _new_cache(self, mode: str, rocket: RocketKVConfig, session_id: str) -> SessionCache:
+    def new_cache(self, mode: str, rocket: RocketKVConfig, session_id: str = "local") -> SessionCache:
+        """An empty cache of this engine's model; tiered caches keep cold tokens in this engine's tiers."""
         tiers = TierContext(
             host=self.host_tier,
             session_id=session_id,
@@ -175,7 +180,7 @@ class Engine:
         session.messages.append({"role": "user", "content": content})
         session.token_ids.extend(new_ids)
         if session.cache is None:  # a failed step or a metadata-only restore: rebuild from the token ids
-            session.cache = self._new_cache(session.mode, session.rocket, session.id)
+            session.cache = self.new_cache(session.mode, session.rocket, session.id)
         cache = session.cache
         prompt_tokens = len(session.token_ids)
         max_new = min(params.max_tokens or self.settings.max_new_tokens, self.max_context - prompt_tokens)

@@ -10,7 +10,7 @@ from rocketkv_mt.cache import CacheSpec, SessionCache
 class ModelRunner:
     """Owns the model; every forward goes through the registered ``rocketkv`` attention."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, kernels: str = "auto"):
         self.model = loaded.model
         self.device = loaded.device
         cfg = self.model.config
@@ -21,6 +21,7 @@ class ModelRunner:
             head_dim=head_dim,
             dtype=loaded.dtype,
             device=loaded.device,
+            kernels=kernels,
         )
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 4096))
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)

@@ -56,7 +56,7 @@ def restore_session(engine: "Engine", session_id: str) -> Session | None:
     )
     kv_state = meta.get("kv")
     if kv_state is not None:
-        cache = engine._new_cache(session.mode, rocket, session_id)
+        cache = engine.new_cache(session.mode, rocket, session_id)
         if cache.restore(kv_state):
             session.cache = cache
         else:

@@ -21,6 +21,7 @@ class CacheSpec:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    kernels: str = "auto"  # "auto": Triton kernels for CUDA tensors, torch otherwise; "torch"; "triton"
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from rocketkv_mt import dispatch
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.snapkv import SnapKVCache
 from rocketkv_mt.cache.store import LayerKV
@@ -35,6 +36,12 @@ class RocketKVCache(SnapKVCache):
         if store.length <= split.token_budget:
             return dense_attention(q, store.keys, store.values, scaling)
         hkv = self.spec.num_kv_heads
+        if dispatch.uses_triton(self.spec.kernels, q):
+            out = dispatch.hsa_attention(
+                q.reshape(hkv, -1, q.shape[-1]), store.keys, store.values, kt.kmin, kt.kmax,
+                split.page_size, split.topr, split.topk, scaling, backend=self.spec.kernels,
+            )
+            return out.reshape(q.shape)
         key_buf, value_buf = store.buffers
         out = hsa_decode(
             q.reshape(hkv, -1, q.shape[-1]),

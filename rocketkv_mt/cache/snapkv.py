@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from rocketkv_mt.cache.base import SessionCache
-from rocketkv_mt.stage1 import snapkv_keep_indices
+from rocketkv_mt import dispatch
+from rocketkv_mt.stage1 import keep_from_scores
 
 
 class SnapKVCache(SessionCache):
@@ -16,5 +17,6 @@ class SnapKVCache(SessionCache):
         if store.length <= split.prompt_budget:
             return
         w = min(split.window_size, q.shape[1])
-        keep = snapkv_keep_indices(q[:, -w:], store.keys, split.prompt_budget, split.kernel_size, scaling)
+        scores = dispatch.window_scores(q[:, -w:], store.keys, scaling, backend=self.spec.kernels)
+        keep = keep_from_scores(scores, w, split.prompt_budget, split.kernel_size)
         store.keep(keep)

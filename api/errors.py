@@ -1,0 +1,49 @@
+"""Error codes to HTTP statuses, and the one error body every HTTP endpoint returns.
+
+Body: ``{"error": {"code", "message", "type", "param"}}`` (the OpenAI shape, with our ``code``).
+"""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from api.schemas import ErrorBody, ErrorDetail, ErrorEvent
+
+STATUS = {
+    "session_not_found": 404,
+    "model_not_found": 404,
+    "session_busy": 409,
+    "history_mismatch": 409,
+    "replica_unavailable": 503,
+    "store_unavailable": 503,
+    "internal_error": 500,
+    "engine_error": 500,
+}
+TYPES = {404: "not_found_error", 409: "conflict_error", 500: "server_error", 503: "server_error"}
+
+
+class ApiError(Exception):
+    """An error with a stable code; also how backends report failures of unary calls."""
+
+    def __init__(self, code: str, message: str, status: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status or STATUS.get(code, 400)
+
+    @classmethod
+    def from_event(cls, event: dict) -> "ApiError":
+        return cls(event.get("code", "internal_error"), event.get("message", ""))
+
+
+def error_body(code: str, message: str, status: int) -> dict:
+    detail = ErrorDetail(code=code, message=message, type=TYPES.get(status, "invalid_request_error"))
+    return ErrorBody(error=detail).model_dump()
+
+
+def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(exc.code, exc.message, exc.status), status_code=exc.status, headers=headers)
+
+
+def error_event(code: str, message: str) -> dict:
+    """The WebSocket/stream form of an error."""
+    return ErrorEvent(code=code, message=message).model_dump()

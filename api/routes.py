@@ -1,0 +1,95 @@
+"""The FastAPI app: ``create_app(backend)`` serves the same routes over any ``Backend``.
+
+Routes: WebSocket ``/v1/chat/ws``; ``/v1/sessions`` (REST); ``/v1/chat/completions`` and
+``/v1/models`` (OpenAI); ``/healthz``; ``/metrics`` (Prometheus text). Every HTTP response has
+an ``x-replica`` header: the replica that served the session when there is one, else the
+process that answered.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+
+from api import openai_compat, sessions
+from api.backend import Backend
+from api.errors import ApiError, error_response
+from api.metrics import CONTENT_TYPE, Metrics
+from api.schemas import Health
+from api.ws import ChatConnection
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaHeader:
+    """Adds ``x-replica`` to HTTP responses that did not set one (pure ASGI: streaming-safe)."""
+
+    def __init__(self, app, replica: str):
+        self.app = app
+        self.header = (b"x-replica", replica.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"x-replica" for k, _ in headers):
+                    headers.append(self.header)
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+def create_app(backend: Backend) -> FastAPI:
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(title="rocketkv-mt", version="0.1.0", lifespan=lifespan)
+    app.state.backend = backend
+    app.state.metrics = metrics
+    app.include_router(sessions.router)
+    app.include_router(openai_compat.router)
+    app.add_middleware(ReplicaHeader, replica=backend.replica)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError):
+        metrics.errors.labels(exc.code).inc()
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError):
+        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        metrics.errors.labels("invalid_request").inc()
+        return error_response(ApiError("invalid_request", fields or "invalid request"))
+
+    @app.get("/healthz", response_model=Health, tags=["ops"])
+    async def healthz():
+        return Health(replica=backend.replica, model=backend.model_name, backend=backend.kind)
+
+    @app.get("/metrics", tags=["ops"])
+    async def prometheus():
+        try:
+            snapshot = await backend.stats()
+        except Exception:
+            log.warning("backend stats unavailable", exc_info=True)
+            snapshot = {}
+        return Response(metrics.render(snapshot), media_type=CONTENT_TYPE)
+
+    @app.websocket("/v1/chat/ws")
+    async def chat_ws(ws: WebSocket):
+        await ChatConnection(ws, backend, metrics).run()
+
+    return app

@@ -1,0 +1,60 @@
+"""Session REST API. A session's secret travels in the ``x-session-token`` header.
+
+Unknown ids and wrong tokens both answer 404 ``session_not_found``. The listing shows ids and
+sizes, never messages or tokens.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, Body, Header, Request, Response
+
+from api.schemas import CreateSessionRequest, SessionDetail, SessionExport, SessionInfo, SessionList
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+TOKEN_HEADER = "x-session-token"
+
+
+def _backend(request: Request):
+    return request.app.state.backend
+
+
+def _replica(response: Response, payload: dict) -> dict:
+    if payload.get("replica"):
+        response.headers["x-replica"] = payload["replica"]
+    return payload
+
+
+@router.post("", status_code=201, response_model=SessionInfo)
+async def create_session(request: Request, response: Response, body: CreateSessionRequest | None = Body(None)):
+    body = body or CreateSessionRequest()
+    return _replica(response, await _backend(request).create_session(body.mode, body.budget, body.system))
+
+
+@router.get("", response_model=SessionList)
+async def list_sessions(request: Request):
+    return {"sessions": await _backend(request).list_sessions()}
+
+
+@router.post("/import", status_code=201, response_model=SessionInfo)
+async def import_session(request: Request, response: Response, body: SessionExport):
+    data = body.model_dump(exclude={"format", "session_id"})
+    return _replica(response, await _backend(request).import_session(data))
+
+
+@router.get("/{session_id}", response_model=SessionDetail)
+async def get_session(
+    session_id: str, request: Request, response: Response, token: str | None = Header(None, alias=TOKEN_HEADER)
+):
+    return _replica(response, await _backend(request).get_session(session_id, token))
+
+
+@router.get("/{session_id}/export", response_model=SessionExport)
+async def export_session(
+    session_id: str, request: Request, token: str | None = Header(None, alias=TOKEN_HEADER)
+):
+    return await _backend(request).export_session(session_id, token)
+
+
+@router.delete("/{session_id}", status_code=204)
+async def delete_session(session_id: str, request: Request, token: str | None = Header(None, alias=TOKEN_HEADER)):
+    await _backend(request).delete_session(session_id, token)
+    return Response(status_code=204)

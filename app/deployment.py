@@ -1,0 +1,147 @@
+"""Ray Serve application: an HTTP ingress (FastAPI) in front of chat replicas.
+
+``ChatReplica`` runs an ``Engine`` inside a ``ChatService``; the ingress reaches it through a
+``RayBackend`` whose requests ``SessionAffinityRouter`` pins to the session's replica. Each
+replica registers the sessions it serves with ``@serve.multiplexed`` (the router prefers a
+replica that holds the session); the registry is only routing data, the sessions themselves
+live in the service.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from app.engine.errors import EngineError
+from app.serve_settings import ServerSettings
+
+# Read at import because the decorator needs it at class creation (replicas inherit the env).
+MAX_HELD = int(os.environ.get("RKV_MAX_SESSIONS_PER_REPLICA", "1024"))
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def replica_name() -> str:
+    replica_id = serve.get_replica_context().replica_id
+    return getattr(replica_id, "unique_id", None) or str(replica_id)
+
+
+class ChatReplica:
+    def __init__(self, settings: dict[str, Any]):
+        for key, value in WORKER_ENV.items():
+            os.environ.setdefault(key, value)
+        from app.serve import build_service  # torch and transformers load in chat replicas only
+
+        self.service = build_service(ServerSettings(**settings), replica_name())
+
+    async def check_health(self) -> None:
+        # Serve calls this periodically from the replica's loop: a replica that has not served
+        # anything yet still starts housekeeping (and reports its stats).
+        self.service.start()
+
+    @serve.multiplexed(max_num_models_per_replica=MAX_HELD)
+    async def _hold(self, session_id: str) -> str:
+        return session_id
+
+    async def _unary(self, sid: str, method, *args) -> dict[str, Any]:
+        self.service.start()
+        try:
+            result = await method(*args)
+        except EngineError as exc:
+            return {"error": {"code": exc.code, "message": exc.message}}
+        if sid:
+            await self._hold(sid)
+        return {"ok": result}
+
+    async def create(self, sid, mode, budget, system):
+        return await self._unary(sid, self.service.create, sid, mode, budget, system)
+
+    async def import_session(self, sid, data):
+        return await self._unary(sid, self.service.import_session, sid, data)
+
+    async def resume(self, sid, token):
+        return await self._unary(sid, self.service.resume, sid, token)
+
+    async def get(self, sid, token):
+        return await self._unary(sid, self.service.get, sid, token)
+
+    async def export(self, sid, token):
+        return await self._unary(sid, self.service.export, sid, token)
+
+    async def delete(self, sid, token):
+        return await self._unary("", self.service.delete, sid, token)
+
+    async def cancel(self, sid, token):
+        return await self._unary("", self.service.cancel, sid, token)
+
+    async def list_sessions(self):
+        return {"ok": await self.service.list_sessions()}
+
+    async def stats(self):
+        return {"ok": self.service.stats()}
+
+    async def chat(self, sid, token, content, sampling, history=None):
+        async for event in self.service.chat(sid, token, content, sampling, history):
+            if event["type"] == "start":
+                await self._hold(sid)
+            yield event
+
+
+@serve.ingress()
+class Ingress:
+    def __init__(self, chat: Any, settings: dict[str, Any]):
+        from app.ray_backend import RayBackend
+        from app.serve import served_model_name
+
+        config = ServerSettings(**settings)
+        self.backend = RayBackend(chat, config, f"ingress-{replica_name()}", served_model_name(config))
+
+    def __serve_build_asgi_app__(self):
+        from api.routes import create_app
+
+        return create_app(self.backend)
+
+
+def gpus_per_replica(settings: ServerSettings) -> float:
+    if settings.num_gpus is not None:
+        return settings.num_gpus
+    import torch
+
+    return 1.0 if settings.device != "cpu" and torch.cuda.is_available() else 0.0
+
+
+def build_app(settings: ServerSettings):
+    """The bound application: ``serve.run(build_app(settings))``."""
+    config = settings.model_dump(mode="json")
+    scaling: dict[str, Any] = (
+        {
+            "autoscaling_config": {
+                "min_replicas": settings.min_replicas,
+                "max_replicas": settings.max_replicas,
+                "target_ongoing_requests": settings.target_ongoing_requests,
+            }
+        }
+        if settings.autoscaling
+        else {"num_replicas": settings.num_replicas}
+    )
+    chat = serve.deployment(ChatReplica).options(
+        name="ChatReplica",
+        ray_actor_options={
+            "num_cpus": settings.replica_num_cpus,
+            "num_gpus": gpus_per_replica(settings),
+            "runtime_env": {
+                "env_vars": {**WORKER_ENV, "RKV_MAX_SESSIONS_PER_REPLICA": str(settings.max_sessions_per_replica)}
+            },
+        },
+        max_ongoing_requests=settings.max_ongoing_requests,
+        request_router_config=RequestRouterConfig(request_router_class="app.ray_router.SessionAffinityRouter"),
+        **scaling,
+    )
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=settings.ingress_max_ongoing_requests,
+    )
+    return ingress.bind(chat.bind(config), config)

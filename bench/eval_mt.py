@@ -1,0 +1,70 @@
+"""``rocketkv-mt eval``: multi-turn recall per cache mode, greedy, all modes in one run.
+
+Task file: one conversation per line, ``{"id": ..., "turns": [{"user": ..., "answer": ...}, ...]}``;
+a turn is correct when ``answer`` occurs, case-insensitively, in the reply.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from app.engine.sampling import SamplingParams
+from bench.common import load_engine, write_json
+
+
+def load_tasks(path: str) -> list[dict]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for row in rows:
+        if not row.get("turns") or not all("user" in t and "answer" in t for t in row["turns"]):
+            raise ValueError(f"task {row.get('id')!r}: every turn needs 'user' and 'answer'")
+    return rows
+
+
+async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens: int) -> dict:
+    n_turns = max(len(t["turns"]) for t in tasks)
+    per_turn = [[0, 0] for _ in range(n_turns)]
+    peak, latencies, replies = 0, [], []
+    params = SamplingParams(max_tokens=max_tokens)
+    for task in tasks:
+        session = engine.create_session(mode=mode, budget=budget)
+        convo = []
+        for i, turn in enumerate(task["turns"]):
+            t0 = time.perf_counter()
+            done = await engine.complete(session.id, turn["user"], params)
+            latencies.append((time.perf_counter() - t0) * 1000)
+            ok = turn["answer"].lower() in done.text.lower()
+            per_turn[i][0] += ok
+            per_turn[i][1] += 1
+            peak = max(peak, done.memory.device_bytes)
+            convo.append({"reply": done.text, "correct": ok, "readmitted": done.memory.readmitted_tokens})
+        replies.append({"id": task["id"], "turns": convo})
+        engine.delete_session(session.id)
+    correct = sum(c for c, _ in per_turn)
+    total = sum(n for _, n in per_turn)
+    return {
+        "accuracy": round(correct / max(total, 1), 4),
+        "correct": correct,
+        "total": total,
+        "per_turn_accuracy": [round(c / max(n, 1), 4) for c, n in per_turn],
+        "peak_device_kv_bytes": peak,
+        "mean_turn_latency_ms": round(sum(latencies) / max(len(latencies), 1), 1),
+        "replies": replies,
+    }
+
+
+def main(args) -> int:
+    tasks = load_tasks(args.tasks)
+    if args.limit:
+        tasks = tasks[: args.limit]
+    engine = load_engine(**({"prefill_attention": args.prefill_attention} if args.prefill_attention else {}))
+    modes = [m for m in args.modes.split(",") if m]
+    result = {"budget": args.budget, "tasks": args.tasks, "conversations": len(tasks), "modes": {}}
+    for mode in modes:
+        result["modes"][mode] = asyncio.run(run_mode(engine, mode, tasks, args.budget, args.max_tokens))
+    summary = {m: {k: v for k, v in r.items() if k != "replies"} for m, r in result["modes"].items()}
+    if not args.details:
+        result["modes"] = summary
+    write_json(result, args.json_out)
+    return 0

@@ -1,0 +1,188 @@
+"""Session REST API, export/import, health, metrics, and restore from Redis without Ray."""
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serving_helpers import REDIS_URL, WsChat, local_server, redis_available
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    with local_server(loaded) as srv:
+        yield srv
+
+
+def auth(info: dict) -> dict:
+    return {"x-session-token": info["token"]}
+
+
+async def ws_turns(server, info: dict, *messages: str) -> list[dict]:
+    async with WsChat.open(server.ws_url) as chat:
+        await chat.send({"type": "session.resume", "session_id": info["session_id"], "token": info["token"]})
+        assert (await chat.recv())["type"] == "session"
+        dones = []
+        for text in messages:
+            _, done = await chat.turn(text)
+            assert done["type"] == "done", done
+            dones.append(done)
+        return dones
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_healthz(server):
+    r = httpx.get(f"{server.url}/healthz")
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok", "replica": "test-replica", "model": "SmolLM2-135M-Instruct",
+                        "backend": "local"}
+    assert r.headers["x-replica"] == "test-replica"
+
+
+async def test_sessions_crud(server):
+    url = f"{server.url}/v1/sessions"
+    r = httpx.post(url, json={"mode": "snapkv", "budget": 64, "system": "Be brief."})
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert info["mode"] == "snapkv" and info["budget"] == 64 and info["token"] and r.headers["x-replica"]
+    sid = info["session_id"]
+
+    assert sid in [s["session_id"] for s in httpx.get(url).json()["sessions"]]
+    listed = next(s for s in httpx.get(url).json()["sessions"] if s["session_id"] == sid)
+    assert "messages" not in listed and "token" not in listed
+
+    await ws_turns(server, info, "Hello there.")
+    detail = httpx.get(f"{url}/{sid}", headers=auth(info)).json()
+    assert [m["role"] for m in detail["messages"]] == ["system", "user", "assistant"]
+    assert detail["turns"] == 1 and detail["mode"] == "snapkv"
+    assert detail["tokens"]["history"] == detail["history_tokens"] > 0
+    assert 0 < detail["tokens"]["device"] <= detail["tokens"]["history"]
+    assert detail["memory"]["device_bytes"] > 0
+    assert {"host_bytes", "redis_bytes", "readmitted_tokens"} <= set(detail["memory"])
+
+    for headers in ({}, {"x-session-token": "wrong"}):
+        r = httpx.get(f"{url}/{sid}", headers=headers)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    assert httpx.delete(f"{url}/{sid}", headers={"x-session-token": "wrong"}).status_code == 404
+    assert httpx.delete(f"{url}/{sid}", headers=auth(info)).status_code == 204
+    assert httpx.get(f"{url}/{sid}", headers=auth(info)).status_code == 404
+    assert sid not in [s["session_id"] for s in httpx.get(url).json()["sessions"]]
+
+
+def test_bad_requests(server):
+    url = f"{server.url}/v1/sessions"
+    r = httpx.post(url, json={"mode": "warp"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_mode"
+    r = httpx.post(url, json={"budget": "lots"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    r = httpx.post(f"{url}/import", json={"messages": [{"role": "user", "content": "x"}], "token_ids": [-1]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    r = httpx.post(f"{url}/import", json={"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400
+
+
+async def test_export_import_round_trip(server):
+    url = f"{server.url}/v1/sessions"
+    info = httpx.post(url, json={"mode": "rocketkv", "budget": 64}).json()
+    await ws_turns(server, info, "My dog is called Rex.", "What animal do I have?")
+    exported = httpx.get(f"{url}/{info['session_id']}/export", headers=auth(info)).json()
+    assert exported["format"] == "rocketkv-mt.session/1"
+    assert exported["mode"] == "rocketkv" and exported["budget"] == 64
+    assert len(exported["messages"]) == 4 and len(exported["token_ids"]) > 30
+
+    r = httpx.post(f"{url}/import", content=json.dumps(exported), headers={"content-type": "application/json"})
+    assert r.status_code == 201, r.text
+    copy = r.json()
+    assert copy["session_id"] != info["session_id"] and copy["token"] != info["token"]
+    detail = httpx.get(f"{url}/{copy['session_id']}", headers=auth(copy)).json()
+    assert detail["messages"] == exported["messages"] and detail["mode"] == "rocketkv" and detail["budget"] == 64
+    assert detail["tokens"] == {"history": len(exported["token_ids"]), "cached": 0, "device": 0}
+
+    (orig,) = await ws_turns(server, info, "And its name?")
+    (imported,) = await ws_turns(server, copy, "And its name?")
+    # Same conversation, same prompt; the import rebuilt its cache by prefilling everything once.
+    assert imported["usage"]["prompt_tokens"] == orig["usage"]["prompt_tokens"]
+    assert imported["usage"]["prefilled_tokens"] == imported["usage"]["prompt_tokens"]
+    assert orig["usage"]["prefilled_tokens"] < orig["usage"]["prompt_tokens"] // 2
+    (again,) = await ws_turns(server, copy, "Thanks.")
+    assert again["usage"]["prefilled_tokens"] < again["usage"]["prompt_tokens"] // 2
+
+
+async def test_metrics_move_after_a_turn(server):
+    before = metric_values(httpx.get(f"{server.url}/metrics").text)
+    info = httpx.post(f"{server.url}/v1/sessions", json={}).json()
+    (done,) = await ws_turns(server, info, "Count to three.")
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    after = metric_values(r.text)
+
+    generated = ("rkv_generated_tokens_total", ())
+    assert after[generated] - before.get(generated, 0) == done["usage"]["generated_tokens"]
+    assert after[("rkv_prefilled_tokens_total", ())] > before.get(("rkv_prefilled_tokens_total", ()), 0)
+    count = ("rkv_turn_latency_seconds_count", ())
+    assert after[count] == before.get(count, 0) + 1
+    assert after[("rkv_turns_total", (("finish_reason", done["finish_reason"]),))] >= 1
+    assert after[("rkv_generated_tokens_per_second", ())] > 0
+    assert after[("rkv_sessions", ())] >= 1
+    assert after[("rkv_tier_bytes", (("tier", "device"),))] > 0
+    for tier in ("host", "redis"):
+        assert ("rkv_tier_bytes", (("tier", tier),)) in after
+    assert after[("rkv_tier_promotions_total", ())] >= 0 and after[("rkv_tier_demotions_total", ())] >= 0
+
+
+@pytest.mark.skipif(not redis_available(), reason="needs Redis at RKV_TEST_REDIS_URL")
+async def test_another_process_restores_a_session_from_redis(loaded):
+    """Two in-process servers share Redis: B continues A's session, then A notices its copy is stale."""
+    import redis
+
+    prefix = f"rkv-test-{uuid.uuid4().hex[:8]}"
+    settings = {"redis_url": REDIS_URL, "redis_namespace": prefix}
+    with local_server(loaded, replica_id="a", **settings) as a, local_server(loaded, replica_id="b", **settings) as b:
+        info = httpx.post(f"{a.url}/v1/sessions", json={"system": "Be brief."}).json()
+        first, second = await ws_turns(a, info, "My name is Kim.", "Nice to meet you.")
+        stored = redis.Redis.from_url(REDIS_URL).hgetall(f"{prefix}:session:{info['session_id']}")
+        data = json.loads(stored[b"data"])  # plain JSON, no pickle
+        assert data["messages"][-1]["role"] == "assistant" and len(data["messages"]) == 5
+        assert int(stored[b"version"]) == 3  # created, then two turns
+
+        (on_b,) = await ws_turns(b, info, "What is my name?")
+        assert on_b["replica"] == "b"
+        history = second["usage"]["prompt_tokens"] + second["usage"]["generated_tokens"]
+        assert on_b["usage"]["prompt_tokens"] > history  # the earlier turns came along
+        assert on_b["usage"]["prefilled_tokens"] == on_b["usage"]["prompt_tokens"]  # cache rebuilt on b
+
+        (back_on_a,) = await ws_turns(a, info, "Bye.")
+        assert back_on_a["usage"]["prompt_tokens"] > on_b["usage"]["prompt_tokens"]  # a restored b's turn
+        detail = httpx.get(f"{a.url}/v1/sessions/{info['session_id']}", headers=auth(info)).json()
+        assert len(detail["messages"]) == 9
+
+        listed = httpx.get(f"{b.url}/v1/sessions").json()["sessions"]
+        assert info["session_id"] in [s["session_id"] for s in listed]
+        assert httpx.delete(f"{a.url}/v1/sessions/{info['session_id']}", headers=auth(info)).status_code == 204
+        assert not redis.Redis.from_url(REDIS_URL).exists(f"{prefix}:session:{info['session_id']}")
+
+
+@pytest.mark.skipif(not redis_available(), reason="needs Redis at RKV_TEST_REDIS_URL")
+async def test_a_restored_tiered_session_keeps_its_kv(loaded):
+    """Where the engine stored the KV itself (tiered mode), the restore reuses it instead of re-prefilling."""
+    import redis
+
+    namespace = f"rkv-test-{uuid.uuid4().hex[:8]}"
+    settings = {"redis_url": REDIS_URL, "redis_namespace": namespace}
+    with local_server(loaded, replica_id="a", **settings) as a, local_server(loaded, replica_id="b", **settings) as b:
+        info = httpx.post(f"{a.url}/v1/sessions", json={"mode": "tiered", "budget": 32}).json()
+        await ws_turns(a, info, "Tell me three facts about whales, please, with some detail.")
+        (on_b,) = await ws_turns(b, info, "And about sharks?")
+        assert on_b["replica"] == "b"
+        assert on_b["usage"]["prefilled_tokens"] < on_b["usage"]["prompt_tokens"] // 2
+        assert httpx.delete(f"{b.url}/v1/sessions/{info['session_id']}", headers=auth(info)).status_code == 204
+    assert not list(redis.Redis.from_url(REDIS_URL).scan_iter(match=f"{namespace}:session*"))

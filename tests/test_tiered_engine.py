@@ -1,0 +1,159 @@
+"""Tiered sessions through the engine: nothing lost, bounded device memory, exact resume from Redis."""
+import json
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app.engine.sampling import SamplingParams
+from bench.haystack import hide
+
+pytestmark = pytest.mark.slow
+REDIS_URL = "redis://127.0.0.1:6379/0"
+FACTS = ["The pass key for the red door is 41735.", "The pass key for the blue door is 90264."]
+FIRST = hide(FACTS, 700, [0.2, 0.7], seed=5) + "\n\nWhat is the pass key for the red door?"
+LATER = ["What is the pass key for the blue door?", "Say the red door's key again.", "Thanks! Which doors did I ask about?",
+         "Name one colour.", "Say goodbye."]
+PARAMS = SamplingParams(max_tokens=12)
+
+
+def positions_held(cache, layer: int, head: int) -> torch.Tensor:
+    cpu = torch.device("cpu")
+    primary = cache.layers[layer].positions[head].cpu()
+    cold = cache.cold[layer]
+    if not cold.refs:
+        return primary.sort().values
+    held = cold.positions(cpu)[head][cold.alive(cpu)[head]]
+    return torch.cat([primary, held]).sort().values
+
+
+async def converse(engine, session, turns):
+    outs = []
+    for text in turns:
+        outs.append(await engine.complete(session.id, text, PARAMS))
+    return outs
+
+
+async def test_every_position_is_in_exactly_one_tier_after_every_turn(make_engine):
+    # A host tier of 24 chunks forces spills to Redis, so all three tiers hold part of the history.
+    engine = make_engine(mode="tiered", token_budget=128, redis_url=REDIS_URL, redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
+                         host_tier_bytes=24 * 3 * 128 * (64 * 2 * 4 + 8), chunk_tokens=128)
+    session = engine.create_session()
+    try:
+        for text in [FIRST, *LATER[:2]]:
+            done = await engine.complete(session.id, text, PARAMS)
+            cache = session.cache
+            assert cache.history_len == session.fed_tokens
+            for layer in range(len(cache.layers)):
+                for head in range(cache.spec.num_kv_heads):
+                    assert torch.equal(positions_held(cache, layer, head), torch.arange(cache.history_len)), (layer, head)
+            assert done.memory.device_bytes > 0 and done.memory.host_bytes > 0
+        assert engine.host_tier.stats.spills > 0 and engine.host_tier.overflow_slots == 0
+        assert done.memory.redis_bytes > 0
+        assert session.turns[1].readmitted_tokens > 0  # a later turn brought cold tokens back
+    finally:
+        engine.delete_session(session.id)
+
+
+async def test_budget_above_history_gives_full_tokens(make_engine):
+    engine = make_engine()
+    full = engine.create_session(mode="full")
+    tiered = engine.create_session(mode="tiered", budget=4096)
+    await converse(engine, full, [FIRST, *LATER[:2]])
+    await converse(engine, tiered, [FIRST, *LATER[:2]])
+    assert tiered.token_ids == full.token_ids
+    assert tiered.cache.cold_tokens() == 0
+
+
+@pytest.mark.parametrize("prefill_attention", ["dense", "selected"])
+async def test_tiered_matches_the_papers_rocketkv_mt(make_engine, prefill_attention):
+    engine = make_engine(prefill_attention=prefill_attention)
+    mt = engine.create_session(mode="rocketkv-mt", budget=128)
+    tiered = engine.create_session(mode="tiered", budget=128)
+    a = await converse(engine, mt, [FIRST, *LATER[:2]])
+    b = await converse(engine, tiered, [FIRST, *LATER[:2]])
+    if prefill_attention == "dense":  # same selection, same attention: the same tokens
+        assert tiered.token_ids == mt.token_ids
+    assert tiered.cache.kept_tokens() < mt.cache.kept_tokens()
+    assert b[-1].memory.device_bytes < a[-1].memory.device_bytes
+
+
+async def test_device_memory_is_bounded_while_full_and_mt_grow(make_engine):
+    engine = make_engine()
+    sessions = {m: engine.create_session(mode=m, budget=128) for m in ("full", "rocketkv-mt", "tiered")}
+    history = {m: [] for m in sessions}
+    for text in [FIRST, *LATER]:
+        for mode, session in sessions.items():
+            before = len(session.token_ids)
+            done = await engine.complete(session.id, text, PARAMS)
+            history[mode].append(done.memory.device_bytes)
+            if mode == "tiered":
+                cache = session.cache
+                spec, split = cache.spec, cache.split
+                per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+                turn_tokens = len(session.token_ids) - before
+                capacity = split.prompt_budget + PARAMS.max_tokens
+                kv_bound = (capacity + turn_tokens) * per_token
+                kt_bound = -(-(capacity + turn_tokens) // split.page_size) * per_token
+                assert done.memory.device_bytes <= kv_bound + kt_bound
+    for mode in ("full", "rocketkv-mt"):
+        assert all(b > a for a, b in zip(history[mode], history[mode][1:])), mode
+    assert history["tiered"][-1] < history["full"][-1]
+    assert history["tiered"][-1] - history["tiered"][0] < (history["full"][-1] - history["full"][0]) / 2
+
+
+RUN = r"""
+import asyncio, json, sys
+from app.engine.engine import Engine
+from app.engine.sampling import SamplingParams
+from app.settings import Settings
+engine = Engine(Settings(mode="tiered", token_budget=128, redis_url=sys.argv[1], redis_namespace=sys.argv[2]))
+texts = json.loads(sys.argv[4])
+async def main():
+    sid = sys.argv[3]
+    if sid == "new":
+        sid = engine.create_session().id
+    out = [(await engine.complete(sid, t, SamplingParams(max_tokens=12))).text for t in texts]
+    print(json.dumps({"sid": sid, "replies": out, "fed": engine.get_session(sid).fed_tokens}))
+asyncio.run(main())
+engine.close()
+"""
+
+
+def run_process(namespace, sid, texts):
+    out = subprocess.run([sys.executable, "-c", RUN, REDIS_URL, namespace, sid, json.dumps(texts)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+async def test_resume_in_a_new_process_gives_the_same_third_turn(make_engine):
+    namespace = f"rkvtest-{secrets.token_hex(3)}"
+    first = run_process(namespace, "new", [FIRST, LATER[0]])
+    resumed = run_process(namespace, first["sid"], [LATER[1]])
+    engine = make_engine(mode="tiered", token_budget=128)
+    session = engine.create_session()
+    replies = [d.text for d in await converse(engine, session, [FIRST, LATER[0], LATER[1]])]
+    assert first["replies"] == replies[:2]
+    assert resumed["replies"][0] == replies[2]
+    # The resumed process fed only the third turn: the history came from Redis, not a re-prefill.
+    assert resumed["fed"] == session.fed_tokens
+    import redis
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(match=f"{namespace}:*"):
+        client.delete(key)
+
+
+async def test_redis_outage_is_reported_not_raised(make_engine):
+    engine = make_engine(mode="tiered", token_budget=128, redis_url="redis://127.0.0.1:1/0", host_tier_bytes=1 << 20)
+    engine.redis.timeout_s = 0.3
+    session = engine.create_session()
+    done = await engine.complete(session.id, FIRST, PARAMS)
+    assert done.usage.generated_tokens > 0
+    assert engine.redis.healthy is False and engine.redis.stats.errors > 0
+    assert engine.host_tier.overflow_slots > 0  # kept in host memory rather than lost
+    done = await engine.complete(session.id, LATER[0], PARAMS)
+    assert done.usage.prefilled_tokens < 40
