@@ -147,7 +147,7 @@ async def test_another_process_restores_a_session_from_redis(loaded):
     prefix = f"rkv-test-{uuid.uuid4().hex[:8]}"
     settings = {"redis_url": REDIS_URL, "redis_namespace": prefix}
     with local_server(loaded, replica_id="a", **settings) as a, local_server(loaded, replica_id="b", **settings) as b:
-        info = httpx.post(f"{a.url}/v1/sessions", json={"system": "Be brief."}).json()
+        info = httpx.post(f"{a.url}/v1/sessions", json={"system": "Be brief.", "mode": "full"}).json()
         first, second = await ws_turns(a, info, "My name is Kim.", "Nice to meet you.")
         stored = redis.Redis.from_url(REDIS_URL).hgetall(f"{prefix}:session:{info['session_id']}")
         data = json.loads(stored[b"data"])  # plain JSON, no pickle

@@ -24,7 +24,7 @@ def session_detail(server, info) -> dict:
 async def test_two_turns_stream_and_prefill_only_the_new_message(server):
     async with WsChat.open(server.ws_url) as chat:
         info = await chat.create(system="You are a helpful assistant.")
-        assert info["session_id"] and info["token"] and info["mode"] == "full" and info["replica"] == "test-replica"
+        assert info["session_id"] and info["token"] and info["mode"] == "tiered" and info["replica"] == "test-replica"
 
         deltas1, done1 = await chat.turn("My name is Ada. Please remember it.")
         deltas2, done2 = await chat.turn("What is my name?")
