@@ -15,7 +15,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.engine.errors import EngineError
-from app.serve_settings import ServerSettings
+from app.settings import ServerSettings
 
 # Read at import because the decorator needs it at class creation (replicas inherit the env).
 MAX_HELD = int(os.environ.get("RKV_MAX_SESSIONS_PER_REPLICA", "1024"))

@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from api.backend import Backend, new_session_id
 from api.errors import ApiError, error_event
-from app.serve_settings import ServerSettings
+from app.settings import ServerSettings
 from app.session_store import SessionStore
 
 log = logging.getLogger(__name__)

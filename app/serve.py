@@ -10,7 +10,7 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from app.serve_settings import ServerSettings
+from app.settings import ServerSettings
 from app.settings import BUNDLED_MODEL
 
 if TYPE_CHECKING:  # the engine imports torch; the CLI parser must stay light

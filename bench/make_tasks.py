@@ -12,27 +12,49 @@ from pathlib import Path
 
 from bench.haystack import hide
 
-KINDS = ["red", "blue", "green", "yellow", "white", "black", "orange", "purple"]
+# (fact template, question, answers): each conversation draws 4 distinct kinds of fact.
+FACTS = [
+    ("The pass key is {n}.", "What is the pass key? Answer with the number only.", "number"),
+    ("The meeting is in room {n}.", "In which room is the meeting? Answer with the room number only.", "number"),
+    ("{name}'s favourite colour is {colour}.", "What is {name}'s favourite colour?", "colour"),
+    ("The capital of {land} is {city}.", "What is the capital of {land}?", "city"),
+    ("{name2} keeps a pet {animal}.", "What kind of pet does {name2} keep?", "animal"),
+    ("The secret ingredient of the soup is {food}.", "What is the secret ingredient of the soup?", "food"),
+]
+NAMES = ["Mary", "Omar", "Lena", "Ravi", "Sofia", "Tomas", "Aiko", "Bruno"]
+COLOURS = ["purple", "orange", "turquoise", "crimson", "silver", "amber"]
+LANDS = ["Veltria", "Norvania", "Quellis", "Darmonia", "Estrelia", "Kovania"]
+CITIES = ["Orlin", "Pasko", "Merivale", "Tarsus", "Vindel", "Halvik"]
+ANIMALS = ["parrot", "tortoise", "hedgehog", "ferret", "goldfish", "rabbit"]
+FOODS = ["saffron", "ginger", "fennel", "nutmeg", "basil", "cardamom"]
 DEPTHS = [0.12, 0.37, 0.62, 0.87]
 WORDS_PER_TOKEN = 0.78  # the filler's words per SmolLM2 token, measured on this generator
 
 
+def fill(rng: random.Random, template: str, question: str, kind: str) -> tuple[str, str, str]:
+    values = {
+        "n": str(rng.randint(10000, 99999)) if "pass key" in template else str(rng.randint(100, 999)),
+        "name": rng.choice(NAMES[:4]),
+        "name2": rng.choice(NAMES[4:]),
+        "colour": rng.choice(COLOURS),
+        "land": rng.choice(LANDS),
+        "city": rng.choice(CITIES),
+        "animal": rng.choice(ANIMALS),
+        "food": rng.choice(FOODS),
+    }
+    answer = values["n"] if kind == "number" else values[kind]
+    return template.format(**values), question.format(**values), answer
+
+
 def conversation(idx: int, n_tokens: int, rng: random.Random) -> dict:
-    kinds = rng.sample(KINDS, 4)
-    keys = [str(rng.randint(10000, 99999)) for _ in kinds]
-    facts = [f"The pass key for the {k} door is {v}." for k, v in zip(kinds, keys)]
-    depths = rng.sample(DEPTHS, 4)
-    doc = hide(facts, int(n_tokens * WORDS_PER_TOKEN), depths, seed=idx * 7 + n_tokens)
-    order = rng.sample(range(4), 4)
+    picked = [fill(rng, *f) for f in rng.sample(FACTS, 4)]
+    facts = [fact for fact, _, _ in picked]
+    doc = hide(facts, int(n_tokens * WORDS_PER_TOKEN), rng.sample(DEPTHS, 4), seed=idx * 7 + n_tokens)
     turns = []
-    for t, i in enumerate(order):
-        question = f"What is the pass key for the {kinds[i]} door? Answer with the number only."
-        user = (
-            "Read the text below; it hides pass keys for several doors.\n\n" + doc + "\n\n" + question
-            if t == 0
-            else question
-        )
-        turns.append({"user": user, "answer": keys[i]})
+    for t, i in enumerate(rng.sample(range(4), 4)):
+        _, question, answer = picked[i]
+        user = "Read the text below.\n\n" + doc + "\n\n" + question if t == 0 else question
+        turns.append({"user": user, "answer": answer})
     return {"id": f"mt{n_tokens // 1000}k-{idx:02d}", "turns": turns}
 
 

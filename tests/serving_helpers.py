@@ -68,7 +68,7 @@ def local_server(loaded, **overrides):
     import torch
 
     from app.serve import build_local_app
-    from app.serve_settings import ServerSettings
+    from app.settings import ServerSettings
 
     settings = ServerSettings(**{"max_new_tokens": 12, "replica_id": "test-replica", **overrides})
     # One intra-op thread for the server's model thread (it picks the count up at its first op):

@@ -43,7 +43,7 @@ def cluster():
     from ray import serve
 
     from app.serve import deploy
-    from app.serve_settings import ServerSettings
+    from app.settings import ServerSettings
 
     settings = ServerSettings(
         host="127.0.0.1",
