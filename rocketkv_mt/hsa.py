@@ -108,19 +108,20 @@ def hsa_decode(
     """``hsa_attention`` with as few torch ops as possible: the CPU production path.
 
     q (Hkv, G, d); key_buf/value_buf (Hkv, C, d) contiguous buffers whose first ``length`` tokens
-    are the kept ones and C >= pages * page_size; bounds (Hkv, P, 2d) = [max | min] per page.
-    Returns (Hkv, G, d). The top-r channels become a 0/1 mask on q, so max and min are scored
-    together by one matmul; selected pages are read straight from the buffers by row index.
+    are the kept ones and C >= pages * page_size; bounds (Hkv, 2d, P) = [max ; min] per page.
+    Returns (Hkv, G, d). The top-r channels become a mask on q (the r-th largest group |q| is the
+    threshold), so max and min are scored together by one matmul; selected pages are read straight
+    from the buffers by row index.
     """
     hkv, g, d = q.shape
-    pages = bounds.shape[1]
+    pages = bounds.shape[2]
     mag = q.abs()
-    channels = torch.topk(mag.sum(1), min(topr, d), dim=-1).indices
-    keep = torch.zeros(hkv, 1, d, dtype=q.dtype, device=q.device).scatter_(2, channels.unsqueeze(1), 1.0)
-    q_hat = q * keep
-    q_pos = q_hat * (q.sum(1, keepdim=True) > 0).to(q.dtype)
-    inv_scale = torch.rsqrt(d * (mag * keep).sum(-1, keepdim=True) / mag.sum(-1, keepdim=True).clamp_min(1e-30))
-    logits = torch.bmm(torch.cat([q_pos, q_hat - q_pos], dim=-1) * inv_scale, bounds.transpose(1, 2))
+    group_mag = mag.sum(1, keepdim=True)  # (Hkv, 1, d)
+    threshold = torch.kthvalue(group_mag, d - min(topr, d) + 1, dim=-1, keepdim=True).values
+    q_hat = torch.where(group_mag >= threshold, q, 0.0)
+    q_pos = torch.where(q.sum(1, keepdim=True) > 0, q_hat, 0.0)
+    inv_scale = torch.rsqrt(d * q_hat.abs().sum(-1, keepdim=True) / mag.sum(-1, keepdim=True).clamp_min(1e-30))
+    logits = torch.bmm(torch.cat([q_pos, q_hat - q_pos], dim=-1) * inv_scale, bounds)
     # Summing the group's softmaxes ranks pages exactly as averaging them does.
     scores = torch.softmax(logits.float(), dim=-1).sum(1)
     k_pages = min(math.ceil(topk / page_size), pages)

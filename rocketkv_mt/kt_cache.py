@@ -21,9 +21,10 @@ def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
 
 
 class KTCache:
-    """Page bounds of one layer in one preallocated buffer: (Hkv, pages, 2d) = [max | min].
+    """Page bounds of one layer in one preallocated buffer: (Hkv, 2d, pages) = [max ; min] per page.
 
-    Keeping max and min side by side lets HSA score every page with a single matmul.
+    Max and min stacked along the channel axis let HSA score every page with one matmul, and the
+    page axis last makes that matmul read the buffer as a plain row-major matrix.
     """
 
     def __init__(self, keys: torch.Tensor, page_size: int, spare_pages: int = 64):
@@ -32,42 +33,44 @@ class KTCache:
         kmin, kmax = page_minmax(keys, page_size)
         hkv, pages, d = kmin.shape
         self.head_dim = d
-        self._bounds = torch.empty(hkv, pages + spare_pages, 2 * d, dtype=keys.dtype, device=keys.device)
-        self._bounds[:, :pages, :d] = kmax
-        self._bounds[:, :pages, d:] = kmin
+        self._bounds = torch.zeros(hkv, 2 * d, pages + spare_pages, dtype=keys.dtype, device=keys.device)
+        self._bounds[:, :d, :pages] = kmax.transpose(1, 2)
+        self._bounds[:, d:, :pages] = kmin.transpose(1, 2)
         self.pages = pages
 
     @property
     def bounds(self) -> torch.Tensor:
-        """(Hkv, P, 2d): per page, the element-wise max of its keys then the element-wise min."""
-        return self._bounds[:, : self.pages]
+        """(Hkv, 2d, P): per page, the element-wise max of its keys over the min."""
+        return self._bounds[:, :, : self.pages]
 
     @property
     def kmax(self) -> torch.Tensor:
-        return self._bounds[:, : self.pages, : self.head_dim]
+        """(Hkv, P, d), a view."""
+        return self._bounds[:, : self.head_dim, : self.pages].transpose(1, 2)
 
     @property
     def kmin(self) -> torch.Tensor:
-        return self._bounds[:, : self.pages, self.head_dim :]
+        """(Hkv, P, d), a view."""
+        return self._bounds[:, self.head_dim :, : self.pages].transpose(1, 2)
 
     def append(self, key: torch.Tensor) -> None:
         """Add one token's key (Hkv, d): it opens a new page or tightens the last page's bounds in place."""
         d = self.head_dim
         if self.length % self.page_size == 0:
-            if self.pages == self._bounds.shape[1]:
+            if self.pages == self._bounds.shape[2]:
                 self._grow()
-            self._bounds[:, self.pages].view(-1, 2, d).copy_(key.unsqueeze(1).expand(-1, 2, -1))
+            self._bounds[:, :, self.pages].view(-1, 2, d).copy_(key.unsqueeze(1).expand(-1, 2, -1))
             self.pages += 1
         else:
-            last = self._bounds[:, self.pages - 1]
+            last = self._bounds[:, :, self.pages - 1]
             torch.maximum(last[:, :d], key, out=last[:, :d])
             torch.minimum(last[:, d:], key, out=last[:, d:])
         self.length += 1
 
     def _grow(self) -> None:
-        extra = max(64, self._bounds.shape[1] // 2)
-        pad = self._bounds.new_empty(self._bounds.shape[0], extra, self._bounds.shape[2])
-        self._bounds = torch.cat([self._bounds, pad], dim=1)
+        extra = max(64, self._bounds.shape[2] // 2)
+        pad = self._bounds.new_zeros(self._bounds.shape[0], self._bounds.shape[1], extra)
+        self._bounds = torch.cat([self._bounds, pad], dim=2)
 
     def nbytes(self) -> int:
         return self.bounds.numel() * self.bounds.element_size()

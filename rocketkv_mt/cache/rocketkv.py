@@ -1,6 +1,8 @@
 """``rocketkv``: Stage 1 at prefill (permanent eviction) and Hybrid Sparse Attention at decode."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rocketkv_mt import dispatch
@@ -9,6 +11,20 @@ from rocketkv_mt.cache.snapkv import SnapKVCache
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.hsa import hsa_decode
 from rocketkv_mt.kt_cache import KTCache
+
+
+@contextlib.contextmanager
+def few_threads(t: torch.Tensor):
+    """One CPU thread for HSA's chain of tiny ops: waking a thread pool costs more than the ops."""
+    if t.is_cuda or torch.get_num_threads() == 1:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 class RocketKVCache(SnapKVCache):
@@ -30,6 +46,10 @@ class RocketKVCache(SnapKVCache):
         return self.layers[layer]
 
     def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        with few_threads(q):
+            return self._hsa_step(layer, q, scaling)
+
+    def _hsa_step(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         store, kt, split = self.sparse_store(layer), self.kt[layer], self.split
         kt.append(store.keys[:, -1])
         # Reading every kept token costs no more than the budget: attend exactly.
@@ -38,7 +58,7 @@ class RocketKVCache(SnapKVCache):
         hkv = self.spec.num_kv_heads
         if dispatch.uses_triton(self.spec.kernels, q):
             out = dispatch.hsa_attention(
-                q.reshape(hkv, -1, q.shape[-1]), store.keys, store.values, kt.kmin, kt.kmax,
+                q.reshape(hkv, -1, q.shape[-1]), store.keys, store.values, kt.kmin.contiguous(), kt.kmax.contiguous(),
                 split.page_size, split.topr, split.topk, scaling, backend=self.spec.kernels,
             )
             return out.reshape(q.shape)

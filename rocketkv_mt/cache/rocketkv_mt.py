@@ -34,10 +34,10 @@ class RocketKVMTCache(RocketKVCache):
             turn.replace(torch.gather(full.keys, 1, idx), torch.gather(full.values, 1, idx), positions)
         self.build_kt(layer)
 
-    def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _hsa_step(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         full = self.layers[layer]
         self.selected[layer].append(full.keys[:, -1:], full.values[:, -1:], full.positions[:, -1:])
-        return super().decode_attention(layer, q, scaling)
+        return super()._hsa_step(layer, q, scaling)
 
     def kept_tokens(self) -> int:
         return self.layers[0].length
