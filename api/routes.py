@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
-from api import openai_compat, sessions
+from api import openai_compat, sessions, ui
 from api.backend import Backend
 from api.errors import ApiError, error_response
 from api.metrics import CONTENT_TYPE, Metrics
@@ -62,6 +62,7 @@ def create_app(backend: Backend) -> FastAPI:
     app.state.metrics = metrics
     app.include_router(sessions.router)
     app.include_router(openai_compat.router)
+    app.include_router(ui.router)  # the browser chat page at / (api/ui.py)
     app.add_middleware(ReplicaHeader, replica=backend.replica)
 
     @app.exception_handler(ApiError)

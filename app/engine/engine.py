@@ -250,7 +250,7 @@ class Engine:
             session.cache.end_turn()
             stats.device_bytes = session.cache.device_bytes()
             stats.kept_tokens = session.cache.kept_tokens()
-            stats.readmitted_tokens = session.cache.readmitted
+            stats.readmitted_tokens = session.cache.readmitted_tokens()
         session.turns.append(stats)
         session.busy = False
         session.cancel_requested = False

@@ -19,7 +19,7 @@ class TurnStats:
     latency_ms: float = 0.0
     device_bytes: int = 0
     kept_tokens: int = 0
-    readmitted_tokens: int = 0  # cold tokens promoted back to the device (summed over layers and KV heads)
+    readmitted_tokens: int = 0  # cold tokens promoted back to the device (per layer and KV head)
 
 
 @dataclass

@@ -52,7 +52,7 @@ class SessionCache(ABC):
     """
 
     mode: str = "abstract"
-    readmitted: int = 0  # cold tokens promoted back this turn (tiered caches only)
+    readmitted: int = 0  # cold token slots promoted back this turn, over all layers and KV heads (tiered)
 
     def __init__(self, spec: CacheSpec, rocket: RocketKVConfig | None = None):
         self.spec = spec
@@ -139,6 +139,10 @@ class SessionCache(ABC):
         return False
 
     # --- accounting --------------------------------------------------------------------------
+    def readmitted_tokens(self) -> int:
+        """Tokens re-admitted from the cold tiers this turn, per layer and KV head on average."""
+        return round(self.readmitted / (self.spec.num_layers * self.spec.num_kv_heads))
+
     def kept_tokens(self) -> int:
         """Tokens per KV head held on the device (first layer; every layer holds the same count)."""
         return self.layers[0].length
