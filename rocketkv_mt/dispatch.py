@@ -7,6 +7,7 @@ state, so two engines with different settings can share a process (the app passe
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -110,8 +111,8 @@ def hsa_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """``hsa.hsa_attention`` with its two heavy steps (page scoring, sparse attention) dispatched."""
-    channels = hsa.select_channels(q, topr)
-    scores = page_scores(q, kmin, kmax, channels, backend=backend)
-    pages = hsa.select_pages(scores, -(-topk // page_size))
-    tokens, valid = hsa.page_tokens(pages, page_size, keys.shape[1])
-    return sparse_attention(q, keys, values, tokens, valid, scaling, backend=backend)
+    return hsa.hsa_attention(
+        q, keys, values, kmin, kmax, page_size, topr, topk, scaling,
+        score_pages=functools.partial(page_scores, backend=backend),
+        attend=functools.partial(sparse_attention, backend=backend),
+    )

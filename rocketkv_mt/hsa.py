@@ -85,13 +85,18 @@ def hsa_attention(
     topr: int,
     topk: int,
     scaling: float,
+    score_pages=None,
+    attend=None,
 ) -> torch.Tensor:
-    """HSA for one decode query: q (Hkv, G, d) over kept keys/values (Hkv, L, d) -> (Hkv, G, d)."""
+    """HSA for one decode query: q (Hkv, G, d) over kept keys/values (Hkv, L, d) -> (Hkv, G, d).
+
+    ``score_pages``/``attend`` replace ``page_scores``/``sparse_attention`` (e.g. by Triton kernels).
+    """
     channels = select_channels(q, topr)
-    scores = page_scores(q, kmin, kmax, channels)
+    scores = (score_pages or page_scores)(q, kmin, kmax, channels)
     pages = select_pages(scores, math.ceil(topk / page_size))
     tokens, valid = page_tokens(pages, page_size, keys.shape[1])
-    return sparse_attention(q, keys, values, tokens, valid, scaling)
+    return (attend or sparse_attention)(q, keys, values, tokens, valid, scaling)
 
 
 def hsa_decode(
