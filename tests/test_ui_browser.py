@@ -13,6 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -64,7 +65,7 @@ def test_page_and_assets_are_served_without_external_urls():
 
 
 def _driver(tmp_path):
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+    from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
@@ -82,7 +83,8 @@ def _driver(tmp_path):
 @pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
                     reason="needs /usr/bin/chromium and /usr/bin/chromedriver (apt-get install chromium chromium-driver)")
 def test_two_turn_chat_in_a_browser_shows_streamed_replies_and_memory_tiers(loaded, tmp_path, monkeypatch):
-    from selenium.common.exceptions import TimeoutException
+    pytest.importorskip("selenium", reason="selenium is not installed (pip install selenium)")
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -93,8 +95,13 @@ def test_two_turn_chat_in_a_browser_shows_streamed_replies_and_memory_tiers(load
     with local_server(loaded) as server:
         driver = _driver(tmp_path)
         try:
-            wait = WebDriverWait(driver, 60, poll_frequency=0.1)
+            # The page re-renders lists as details arrive: a found element may go stale, so retry.
+            wait = WebDriverWait(driver, 60, poll_frequency=0.1, ignored_exceptions=[StaleElementReferenceException])
             css = lambda sel: driver.find_elements(By.CSS_SELECTOR, sel)  # noqa: E731
+
+            def session_ids() -> list[str]:  # read in one script: no stale elements
+                return driver.execute_script(
+                    "return [...document.querySelectorAll('.session-item')].map(e => e.dataset.sessionId)")
 
             def until(condition, what):
                 try:
@@ -105,6 +112,11 @@ def test_two_turn_chat_in_a_browser_shows_streamed_replies_and_memory_tiers(load
 
             driver.get(server.url + "/")
             until(lambda: "test-replica" in driver.find_element(By.ID, "server-info").text, "the health line")
+            # A saved API key rides along (Bearer header, ?api_key= on the socket); this server ignores it.
+            driver.find_element(By.ID, "api-key").send_keys("test-key")
+            driver.find_element(By.ID, "save-key").click()
+            until(lambda: driver.execute_script("return localStorage.getItem('rkv-mt.apiKey')") == "test-key",
+                  "the saved API key")
 
             Select(driver.find_element(By.ID, "mode")).select_by_value("tiered")
             driver.find_element(By.ID, "budget").send_keys("64")
@@ -112,7 +124,7 @@ def test_two_turn_chat_in_a_browser_shows_streamed_replies_and_memory_tiers(load
             max_tokens.clear()
             max_tokens.send_keys("16")
             driver.find_element(By.ID, "new-session").click()
-            until(lambda: len(css(".session-item")) == 1 and driver.find_element(By.ID, "message").is_enabled(),
+            until(lambda: len(session_ids()) == 1 and driver.find_element(By.ID, "message").is_enabled(),
                   "the new session")
             assert driver.find_element(By.ID, "session-mode").text == "tiered"
             assert driver.find_element(By.ID, "session-budget").text == "64"
@@ -153,6 +165,57 @@ def test_two_turn_chat_in_a_browser_shows_streamed_replies_and_memory_tiers(load
             assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
             if os.environ.get("RKV_UI_SCREENSHOT"):
                 shutil.copyfile(shot, os.environ["RKV_UI_SCREENSHOT"])
+            (first,) = session_ids()
+
+            # A second session: the cancel button stops a long reply, which stays marked cancelled.
+            Select(driver.find_element(By.ID, "mode")).select_by_value("snapkv")
+            driver.find_element(By.ID, "budget").clear()
+            driver.find_element(By.ID, "new-session").click()
+            until(lambda: len(session_ids()) == 2 and not css(".msg"), "the second session")
+            assert driver.find_element(By.ID, "session-mode").text == "snapkv"
+            max_tokens.clear()
+            max_tokens.send_keys("400")
+            driver.find_element(By.ID, "message").send_keys("Write a long story about the sea.")
+            driver.find_element(By.ID, "send").click()
+            until(lambda: css(".msg.assistant.streaming .assistant-message")
+                  and css(".assistant-message")[0].text.strip(), "the first delta")
+            driver.find_element(By.ID, "cancel").click()
+            until(lambda: css('.msg.assistant[data-state="cancelled"]'), "the cancelled reply")
+            assert driver.find_element(By.ID, "usage-finish").text == "cancelled"
+            assert int(driver.find_element(By.ID, "usage-generated").text) < 400
+
+            # Switching back reloads the first session's transcript and memory over REST, and resumes it.
+            until(lambda: driver.find_element(By.CSS_SELECTOR, f'.session-item[data-session-id="{first}"]').click()
+                  or True, "a click on the first session")
+            until(lambda: len(css('.msg.assistant[data-state="done"]')) == 2
+                  and driver.find_element(By.ID, "session-turns").text == "2", "the first session's transcript")
+            assert [e.text for e in css(".assistant-message")] == replies
+            until(lambda: int(driver.find_element(By.ID, "device-bytes").get_attribute("data-bytes")) > 0,
+                  "the first session's memory")
+            severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            assert severe == [] and css(".error") == [], (severe, [e.text for e in css(".error")])
+
+            # Deleting it in the page leaves the second one selected.
+            driver.find_element(By.ID, "delete-session").click()
+            wait.until(lambda d: d.switch_to.alert).accept()
+            until(lambda: len(session_ids()) == 1 and session_ids() != [first], "the deletion")
+            (second,) = session_ids()
+            assert [s["session_id"] for s in httpx.get(f"{server.url}/v1/sessions").json()["sessions"]] == [second]
+            until(lambda: driver.find_element(By.ID, "session-title").text == second, "the second session selected")
+
+            # Server errors are shown: the session is deleted behind the page's back, then used.
+            token = driver.execute_script(
+                "return JSON.parse(localStorage.getItem('rkv-mt.sessions'))"
+                ".find(s => s.session_id === arguments[0]).token", second)
+            assert httpx.delete(f"{server.url}/v1/sessions/{second}",
+                                headers={"x-session-token": token}).status_code == 204
+            max_tokens.clear()
+            max_tokens.send_keys("4")
+            driver.find_element(By.ID, "message").send_keys("Hello?")
+            driver.find_element(By.ID, "send").click()
+            until(lambda: css('.error[data-code="session_not_found"]'), "the session_not_found error")
+            assert css('.error[data-code="session_not_found"]')[0].is_displayed()
+            assert driver.find_element(By.ID, "send").is_enabled()  # the page stays usable
         finally:
             driver.quit()
     assert time.monotonic() - started < 120

@@ -288,6 +288,10 @@ function renderMemory(memory, tokens) {
     bar.style.width = `${Math.min(100, pct(bytes, total)).toFixed(2)}%`;
     bar.title = `${name}: ${fmtInt(bytes)} bytes (${total ? ((100 * bytes) / total).toFixed(1) : 0}% of this session)`;
   }
+  const totalEl = $("#total-bytes");
+  totalEl.textContent = fmtBytes(total);
+  totalEl.dataset.bytes = String(total);
+  totalEl.title = `${fmtInt(total)} bytes`;
   const history = Number((tokens && tokens.history) ?? memory.history_tokens) || 0;
   const device = Number((tokens && tokens.device) ?? memory.device_tokens) || 0;
   $("#history-tokens").textContent = fmtInt(history);
@@ -453,7 +457,11 @@ async function switchSession(id) {
     await refreshDetail(s, { renderTranscriptToo: true });
     await bindActive(); // resume on the socket now, so a stale session shows its error at once
   } catch (err) {
-    if (err.code === "session_not_found") s.missing = true;
+    if (err.code === "session_not_found") {
+      s.missing = true;
+      const hint = $("#empty-hint");
+      if (hint) hint.textContent = "This session is gone from the server (expired or deleted). Delete it from the list.";
+    }
     renderSessionList();
     reportError(err);
   }
