@@ -36,9 +36,11 @@ def context_ids(tokenizer, n_tokens: int, question: str, seed: int = 0) -> list[
     return chat_prompt_ids(tokenizer, filler + "\n\n" + question)
 
 
-def write_json(result: dict, path: str | None) -> None:
+def write_json(result: dict, path: str | None, quiet: bool = False) -> None:
+    """Write the result to ``path`` (and stdout unless ``quiet``: partial results only go to the file)."""
     text = json.dumps(result, indent=2)
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text + "\n")
-    sys.stdout.write(text + "\n")
+    if not quiet:
+        sys.stdout.write(text + "\n")

@@ -22,7 +22,7 @@ def load_tasks(path: str) -> list[dict]:
     return rows
 
 
-async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens: int) -> dict:
+async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens: int, progress=None) -> dict:
     n_turns = max(len(t["turns"]) for t in tasks)
     per_turn = [[0, 0] for _ in range(n_turns)]
     peak, latencies, replies = 0, [], []
@@ -41,6 +41,12 @@ async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens
             convo.append({"reply": done.text, "correct": ok, "readmitted": done.memory.readmitted_tokens})
         replies.append({"id": task["id"], "turns": convo})
         engine.delete_session(session.id)
+        if progress is not None:
+            progress(summary(per_turn, peak, latencies, replies))
+    return summary(per_turn, peak, latencies, replies)
+
+
+def summary(per_turn, peak, latencies, replies) -> dict:
     correct = sum(c for c, _ in per_turn)
     total = sum(n for _, n in per_turn)
     return {
@@ -62,7 +68,12 @@ def main(args) -> int:
     modes = [m for m in args.modes.split(",") if m]
     result = {"budget": args.budget, "tasks": args.tasks, "conversations": len(tasks), "modes": {}}
     for mode in modes:
-        result["modes"][mode] = asyncio.run(run_mode(engine, mode, tasks, args.budget, args.max_tokens))
+
+        def progress(partial: dict, mode=mode) -> None:
+            result["modes"][mode] = partial
+            write_json({**result, "partial": True}, args.json_out, quiet=True)
+
+        result["modes"][mode] = asyncio.run(run_mode(engine, mode, tasks, args.budget, args.max_tokens, progress))
     summary = {m: {k: v for k, v in r.items() if k != "replies"} for m, r in result["modes"].items()}
     if not args.details:
         result["modes"] = summary

@@ -58,8 +58,14 @@ def main(args) -> int:
                 per_mode[mode] += ok
                 row["replies"][mode] = {"text": reply, "correct": ok}
             cases.append(row)
+            write_json(summarise(args, rocket, modes, lengths, cases, per_mode, t0, partial=True), args.json_out, quiet=True)
+    write_json(summarise(args, rocket, modes, lengths, cases, per_mode, t0), args.json_out)
+    return 0
+
+
+def summarise(args, rocket, modes, lengths, cases, per_mode, t0, partial: bool = False) -> dict:
     total = len(cases)
-    result = {
+    return {
         "budget": args.budget,
         "kernel_size": rocket.kernel_size,
         "cases": total,
@@ -69,7 +75,6 @@ def main(args) -> int:
             for length in lengths
         },
         "seconds": round(time.perf_counter() - t0, 1),
+        "partial": partial,
         "details": cases,
     }
-    write_json(result, args.json_out)
-    return 0
