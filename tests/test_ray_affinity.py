@@ -116,7 +116,8 @@ async def test_sessions_stick_to_a_replica_and_survive_its_death(cluster):
             assert after["usage"]["prompt_tokens"] > history  # earlier turns are still in the conversation
             if info["replica"] == victim:
                 assert after["replica"] != victim
-                assert after["usage"]["prefilled_tokens"] == after["usage"]["prompt_tokens"]  # restored, re-prefilled
+                # Restored from Redis with its tiered KV: only the new message is prefilled.
+                assert after["usage"]["prefilled_tokens"] < after["usage"]["prompt_tokens"] // 2
             else:
                 assert after["replica"] == info["replica"]  # survivors keep their sessions (and caches)
                 assert after["usage"]["prefilled_tokens"] < after["usage"]["prompt_tokens"] // 2
