@@ -73,9 +73,13 @@ class HostTier:
         return True
 
     # --- chunks ------------------------------------------------------------------------------
-    @torch.inference_mode()
     def put(self, key: ChunkKey, chunk: Chunk) -> None:
         """Store a chunk demoted from the device (copied into a slot)."""
+        self._store(key, chunk)
+        self.stats.demotions += 1
+
+    @torch.inference_mode()
+    def _store(self, key: ChunkKey, chunk: Chunk) -> int:
         # Inference mode: slots made during a model step are inference tensors, writable only there.
         slot = self._take_slot(chunk)
         dst = self._slots[slot]
@@ -84,7 +88,7 @@ class HostTier:
         self._resident[key] = slot
         self.stats.entries += 1
         self.stats.bytes += self._slot_bytes
-        self.stats.demotions += 1
+        return slot
 
     def get(self, key: ChunkKey) -> Chunk:
         """A chunk, fetched back from Redis if it was spilled (a promotion into this tier)."""
@@ -97,10 +101,9 @@ class HostTier:
         chunk = self.redis.get_chunk(*key) if self.redis is not None and key in self._in_redis else None
         if chunk is None:
             raise KeyError(f"chunk {key} is in no tier")
-        self.put(key, chunk)
-        self.stats.demotions -= 1
+        slot = self._store(key, chunk)
         self.stats.promotions += 1
-        return self._slots[self._resident[key]]
+        return self._slots[slot]
 
     def free(self, key: ChunkKey) -> None:
         slot = self._resident.pop(key, None)
