@@ -14,6 +14,7 @@ class BudgetSplit:
     prompt_budget: tokens per KV head that Stage 1 keeps (window included).
     page_size: tokens per KT page.  topr: head-dim channels HSA scores with.
     topk: tokens' worth of pages HSA attends to at each decode step.
+    local_window: most recent kept tokens whose pages HSA always attends, within topk.
     """
 
     token_budget: int
@@ -23,6 +24,7 @@ class BudgetSplit:
     page_size: int
     topr: int
     topk: int
+    local_window: int = 0
 
     @property
     def topk_pages(self) -> int:
@@ -47,6 +49,12 @@ class RocketKVConfig(BaseModel):
     page_size: int | None = Field(None, ge=1, description="Tokens per KT page.")
     topr: int | None = Field(None, ge=1, description="Head-dim channels used for approximate page scores.")
     topk: int | None = Field(None, ge=1, description="Tokens' worth of pages attended at each decode step.")
+    local_window: int | None = Field(
+        None,
+        ge=0,
+        description="Most recent kept tokens whose pages HSA always attends, counted within topk "
+        "(default: window_size, capped at topk / 2; 0 = the paper's pure top-k).",
+    )
 
     def split(self, seq_len: int, max_new: int, head_dim: int) -> BudgetSplit:
         """Sizes for a sequence of ``seq_len`` tokens (history + prompt + max_new) and head dim ``head_dim``."""
@@ -69,4 +77,5 @@ class RocketKVConfig(BaseModel):
             page_size=page,
             topr=min(topr, head_dim),
             topk=topk,
+            local_window=min(self.window_size if self.local_window is None else self.local_window, topk // 2),
         )

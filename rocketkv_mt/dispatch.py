@@ -108,6 +108,7 @@ def hsa_attention(
     topk: int,
     scaling: float,
     *,
+    local_window: int = 0,
     backend: str = "auto",
 ) -> torch.Tensor:
     """``hsa.hsa_attention`` with its two heavy steps (page scoring, sparse attention) dispatched."""
@@ -115,4 +116,5 @@ def hsa_attention(
         q, keys, values, kmin, kmax, page_size, topr, topk, scaling,
         score_pages=functools.partial(page_scores, backend=backend),
         attend=functools.partial(sparse_attention, backend=backend),
+        local_window=local_window,
     )

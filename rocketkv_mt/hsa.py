@@ -41,9 +41,24 @@ def page_scores(
     return probs.mean(dim=1)
 
 
-def select_pages(scores: torch.Tensor, k_pages: int) -> torch.Tensor:
-    """scores (Hkv, P) -> page indices (Hkv, k), ascending; all pages when P <= k."""
-    k = min(k_pages, scores.shape[-1])
+def local_pages(length: int, page_size: int, local_window: int) -> int:
+    """Pages holding the last ``local_window`` of ``length`` kept tokens (0 when the window is 0)."""
+    if local_window <= 0 or length <= 0:
+        return 0
+    pages = -(-length // page_size)
+    return pages - max(0, length - local_window) // page_size
+
+
+def select_pages(scores: torch.Tensor, k_pages: int, n_local: int = 0) -> torch.Tensor:
+    """scores (Hkv, P) -> page indices (Hkv, k), ascending; all pages when P <= k.
+
+    The last ``n_local`` pages are always chosen and count within k: the reply's own recent tokens
+    carry the context its next token continues, and an upper-bound score can rank them low.
+    """
+    k = min(max(k_pages, n_local), scores.shape[-1])
+    if n_local:
+        scores = scores.clone()
+        scores[:, scores.shape[-1] - n_local :] = float("inf")
     idx = torch.topk(scores, k, dim=-1, sorted=False).indices
     return torch.sort(idx, dim=-1).values
 
@@ -87,14 +102,17 @@ def hsa_attention(
     scaling: float,
     score_pages=None,
     attend=None,
+    local_window: int = 0,
 ) -> torch.Tensor:
     """HSA for one decode query: q (Hkv, G, d) over kept keys/values (Hkv, L, d) -> (Hkv, G, d).
 
+    The pages of the last ``local_window`` kept tokens are always among the topk tokens' worth.
     ``score_pages``/``attend`` replace ``page_scores``/``sparse_attention`` (e.g. by Triton kernels).
     """
     channels = select_channels(q, topr)
     scores = (score_pages or page_scores)(q, kmin, kmax, channels)
-    pages = select_pages(scores, math.ceil(topk / page_size))
+    n_local = local_pages(keys.shape[1], page_size, local_window)
+    pages = select_pages(scores, math.ceil(topk / page_size), n_local)
     tokens, valid = page_tokens(pages, page_size, keys.shape[1])
     return (attend or sparse_attention)(q, keys, values, tokens, valid, scaling)
 
@@ -109,6 +127,7 @@ def hsa_decode(
     topr: int,
     topk: int,
     scaling: float,
+    local_window: int = 0,
 ) -> torch.Tensor:
     """``hsa_attention`` with as few torch ops as possible: the CPU production path.
 
@@ -129,7 +148,10 @@ def hsa_decode(
     logits = torch.bmm(torch.cat([q_pos, q_hat - q_pos], dim=-1) * inv_scale, bounds)
     # Summing the group's softmaxes ranks pages exactly as averaging them does.
     scores = torch.softmax(logits.float(), dim=-1).sum(1)
-    k_pages = min(math.ceil(topk / page_size), pages)
+    n_local = local_pages(length, page_size, local_window)
+    if n_local:
+        scores[:, pages - n_local :] = float("inf")
+    k_pages = min(max(math.ceil(topk / page_size), n_local), pages)
     chosen = torch.topk(scores, k_pages, dim=-1, sorted=False).indices
     offs = torch.arange(page_size, device=q.device)
     tokens = (chosen.unsqueeze(-1) * page_size + offs).view(hkv, k_pages * page_size)

@@ -94,8 +94,8 @@ def test_hsa_with_every_page_selected_is_exact_attention():
     assert torch.allclose(out, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("group,page,length", [(1, 1, 40), (3, 3, 100), (4, 4, 98), (3, 5, 131)])
-def test_fast_decode_path_equals_reference(group, page, length):
+@pytest.mark.parametrize("group,page,length,local", [(1, 1, 40, 0), (3, 3, 100, 0), (4, 4, 98, 0), (3, 5, 131, 0), (3, 3, 100, 8), (4, 4, 98, 11)])
+def test_fast_decode_path_equals_reference(group, page, length, local):
     from rocketkv_mt.cache.store import LayerKV
     from rocketkv_mt.hsa import hsa_decode
 
@@ -110,6 +110,29 @@ def test_fast_decode_path_equals_reference(group, page, length):
         kt.append(keys[:, t])
     q = torch.randn(hkv, group, d)
     kb, vb = store.buffers
-    got = hsa_decode(q, kb, vb, length, kt.bounds, page, 8, 24, d ** -0.5)
-    ref = hsa_attention(q, keys, values, kt.kmin, kt.kmax, page, 8, 24, d ** -0.5)
+    got = hsa_decode(q, kb, vb, length, kt.bounds, page, 8, 24, d ** -0.5, local)
+    ref = hsa_attention(q, keys, values, kt.kmin, kt.kmax, page, 8, 24, d ** -0.5, local_window=local)
     assert torch.allclose(got, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("length,page,window,expected", [(100, 3, 8, 4), (99, 3, 9, 3), (100, 4, 11, 3), (10, 3, 32, 4), (50, 5, 0, 0)])
+def test_local_pages_cover_exactly_the_last_window(length, page, window, expected):
+    from rocketkv_mt.hsa import local_pages
+
+    n = local_pages(length, page, window)
+    assert n == expected
+    pages = -(-length // page)
+    if window:  # the first local page holds token length - window; the page before it does not
+        assert (pages - n) * page <= max(0, length - window) < (pages - n + 1) * page
+
+
+def test_local_window_pages_always_selected_within_k():
+    torch.manual_seed(0)
+    scores = torch.rand(3, 20)
+    scores[:, -4:] = -1.0  # the recent pages score lowest, yet must be chosen
+    pages = select_pages(scores, 6, n_local=3)
+    assert pages.shape == (3, 6)
+    for h in range(3):
+        assert {17, 18, 19} <= set(pages[h].tolist())
+        best_rest = torch.topk(scores[h, :17], 3).indices.tolist()
+        assert set(pages[h].tolist()) == {17, 18, 19, *best_rest}

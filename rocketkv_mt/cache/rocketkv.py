@@ -59,7 +59,8 @@ class RocketKVCache(SnapKVCache):
         if dispatch.uses_triton(self.spec.kernels, q):
             out = dispatch.hsa_attention(
                 q.reshape(hkv, -1, q.shape[-1]), store.keys, store.values, kt.kmin.contiguous(), kt.kmax.contiguous(),
-                split.page_size, split.topr, split.topk, scaling, backend=self.spec.kernels,
+                split.page_size, split.topr, split.topk, scaling,
+                local_window=split.local_window, backend=self.spec.kernels,
             )
             return out.reshape(q.shape)
         key_buf, value_buf = store.buffers
@@ -73,6 +74,7 @@ class RocketKVCache(SnapKVCache):
             split.topr,
             split.topk,
             scaling,
+            split.local_window,
         )
         return out.reshape(q.shape)
 
