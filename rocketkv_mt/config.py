@@ -15,6 +15,8 @@ class BudgetSplit:
     page_size: tokens per KT page.  topr: head-dim channels HSA scores with.
     topk: tokens' worth of pages HSA attends to at each decode step.
     local_window: most recent kept tokens whose pages HSA always attends, within topk.
+    anchor_tokens: tokens' worth of the pages Stage 1 scored highest this turn, pinned for its decode.
+    dense_layers: the first layers, whose attention is too diffuse for top-k, decode densely over their kept set.
     """
 
     token_budget: int
@@ -25,10 +27,16 @@ class BudgetSplit:
     topr: int
     topk: int
     local_window: int = 0
+    anchor_tokens: int = 0
+    dense_layers: int = 0
 
     @property
     def topk_pages(self) -> int:
         return -(-self.topk // self.page_size)
+
+    @property
+    def anchor_pages(self) -> int:
+        return -(-self.anchor_tokens // self.page_size)
 
 
 class RocketKVConfig(BaseModel):
@@ -55,6 +63,18 @@ class RocketKVConfig(BaseModel):
         description="Most recent kept tokens whose pages HSA always attends, counted within topk "
         "(default: window_size, capped at topk / 2; 0 = the paper's pure top-k).",
     )
+    anchor_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Tokens' worth of the pages the turn's observation window scored highest, always attended "
+        "at that turn's decode, counted within topk (default: topk / 4; 0 = the paper's pure top-k).",
+    )
+    dense_layers: int = Field(
+        0,
+        ge=0,
+        description="The first N layers decode densely over their kept (Stage-1) set instead of HSA "
+        "(0 = the paper: HSA in every layer).",
+    )
 
     def split(self, seq_len: int, max_new: int, head_dim: int) -> BudgetSplit:
         """Sizes for a sequence of ``seq_len`` tokens (history + prompt + max_new) and head dim ``head_dim``."""
@@ -69,6 +89,7 @@ class RocketKVConfig(BaseModel):
         topr = self.topr or min(head_dim, max(1, round(head_dim * page / c2)))
         prompt_budget = self.prompt_budget or max(self.window_size + 1, min(s - max_new, capacity - max_new))
         topk = self.topk or max(1, min(round(t / 2), capacity))
+        local = min(self.window_size if self.local_window is None else self.local_window, topk // 2)
         return BudgetSplit(
             token_budget=self.token_budget,
             window_size=self.window_size,
@@ -77,5 +98,7 @@ class RocketKVConfig(BaseModel):
             page_size=page,
             topr=min(topr, head_dim),
             topk=topk,
-            local_window=min(self.window_size if self.local_window is None else self.local_window, topk // 2),
+            local_window=local,
+            anchor_tokens=min(topk // 4 if self.anchor_tokens is None else self.anchor_tokens, topk - local),
+            dense_layers=self.dense_layers,
         )

@@ -109,6 +109,7 @@ def hsa_attention(
     scaling: float,
     *,
     local_window: int = 0,
+    pinned: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """``hsa.hsa_attention`` with its two heavy steps (page scoring, sparse attention) dispatched."""
@@ -117,4 +118,5 @@ def hsa_attention(
         score_pages=functools.partial(page_scores, backend=backend),
         attend=functools.partial(sparse_attention, backend=backend),
         local_window=local_window,
+        pinned=pinned,
     )

@@ -49,16 +49,30 @@ def local_pages(length: int, page_size: int, local_window: int) -> int:
     return pages - max(0, length - local_window) // page_size
 
 
-def select_pages(scores: torch.Tensor, k_pages: int, n_local: int = 0) -> torch.Tensor:
+def pin(scores: torch.Tensor, n_local: int, pinned: torch.Tensor | None) -> int:
+    """Give the last ``n_local`` pages and the ``pinned`` (Hkv, A) pages an infinite score, in place.
+
+    Returns how many pages that forces into the selection at most.
+    """
+    if n_local:
+        scores[:, scores.shape[-1] - n_local :] = float("inf")
+    if pinned is None:
+        return n_local
+    scores.scatter_(1, pinned, float("inf"))
+    return n_local + pinned.shape[1]
+
+
+def select_pages(
+    scores: torch.Tensor, k_pages: int, n_local: int = 0, pinned: torch.Tensor | None = None
+) -> torch.Tensor:
     """scores (Hkv, P) -> page indices (Hkv, k), ascending; all pages when P <= k.
 
-    The last ``n_local`` pages are always chosen and count within k: the reply's own recent tokens
-    carry the context its next token continues, and an upper-bound score can rank them low.
+    The last ``n_local`` pages and the ``pinned`` pages (Hkv, A) are always chosen and count within
+    k: the reply's own recent tokens carry the context its next token continues, the pinned ones are
+    what the turn's window found, and an upper-bound score can rank either low.
     """
-    k = min(max(k_pages, n_local), scores.shape[-1])
-    if n_local:
-        scores = scores.clone()
-        scores[:, scores.shape[-1] - n_local :] = float("inf")
+    scores = scores.clone()
+    k = min(max(k_pages, pin(scores, n_local, pinned)), scores.shape[-1])
     idx = torch.topk(scores, k, dim=-1, sorted=False).indices
     return torch.sort(idx, dim=-1).values
 
@@ -103,16 +117,18 @@ def hsa_attention(
     score_pages=None,
     attend=None,
     local_window: int = 0,
+    pinned: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HSA for one decode query: q (Hkv, G, d) over kept keys/values (Hkv, L, d) -> (Hkv, G, d).
 
-    The pages of the last ``local_window`` kept tokens are always among the topk tokens' worth.
+    The pages of the last ``local_window`` kept tokens and the ``pinned`` pages (Hkv, A) are always
+    among the topk tokens' worth.
     ``score_pages``/``attend`` replace ``page_scores``/``sparse_attention`` (e.g. by Triton kernels).
     """
     channels = select_channels(q, topr)
     scores = (score_pages or page_scores)(q, kmin, kmax, channels)
     n_local = local_pages(keys.shape[1], page_size, local_window)
-    pages = select_pages(scores, math.ceil(topk / page_size), n_local)
+    pages = select_pages(scores, math.ceil(topk / page_size), n_local, pinned)
     tokens, valid = page_tokens(pages, page_size, keys.shape[1])
     return (attend or sparse_attention)(q, keys, values, tokens, valid, scaling)
 
@@ -128,6 +144,7 @@ def hsa_decode(
     topk: int,
     scaling: float,
     local_window: int = 0,
+    pinned: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``hsa_attention`` with as few torch ops as possible: the CPU production path.
 
@@ -148,10 +165,8 @@ def hsa_decode(
     logits = torch.bmm(torch.cat([q_pos, q_hat - q_pos], dim=-1) * inv_scale, bounds)
     # Summing the group's softmaxes ranks pages exactly as averaging them does.
     scores = torch.softmax(logits.float(), dim=-1).sum(1)
-    n_local = local_pages(length, page_size, local_window)
-    if n_local:
-        scores[:, pages - n_local :] = float("inf")
-    k_pages = min(max(math.ceil(topk / page_size), n_local), pages)
+    forced = pin(scores, local_pages(length, page_size, local_window), pinned)
+    k_pages = min(max(math.ceil(topk / page_size), forced), pages)
     chosen = torch.topk(scores, k_pages, dim=-1, sorted=False).indices
     offs = torch.arange(page_size, device=q.device)
     tokens = (chosen.unsqueeze(-1) * page_size + offs).view(hkv, k_pages * page_size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from rocketkv_mt.anchors import kept_scores
 from rocketkv_mt.stage1 import select_top, smooth
 
 
@@ -53,20 +54,23 @@ def reselect(
     prompt_budget: int,
     kernel_size: int,
     scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1's choice over the whole history: (slot indices, positions), each (Hkv, prompt_budget).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1's choice over the whole history: (slot indices, positions, window scores), each
+    (Hkv, prompt_budget).
 
     Keeps the top (prompt_budget - w) smoothed scores per KV head plus the w window positions;
-    both outputs are in ascending position order. Requires every position < H in exactly one alive slot.
+    all outputs are in ascending position order; the scores are the raw ones (0 for the window).
+    Requires every position < H in exactly one alive slot.
     """
     w = q_win.shape[1]
-    scores = smooth(scattered_window_scores(q_win, keys, key_pos, alive, history_len, scaling), kernel_size)
+    raw = scattered_window_scores(q_win, keys, key_pos, alive, history_len, scaling)
     hkv = keys.shape[0]
     window = torch.arange(history_len - w, history_len, device=keys.device).expand(hkv, w)
-    positions = torch.cat([select_top(scores, prompt_budget - w), window], dim=1)
+    prefix = select_top(smooth(raw, kernel_size), prompt_budget - w)
+    positions = torch.cat([prefix, window], dim=1)
     # Inverse map position -> slot, from the alive slots only.
     slot_of = torch.full((hkv, history_len + 1), -1, dtype=torch.long, device=keys.device)
     target = key_pos.clamp(0, history_len) if alive is None else torch.where(alive, key_pos, history_len)
     slots = torch.arange(keys.shape[1], device=keys.device).expand(hkv, -1)
     slot_of.scatter_(1, target, slots)
-    return torch.gather(slot_of, 1, positions), positions
+    return torch.gather(slot_of, 1, positions), positions, kept_scores(raw, prefix, w)

@@ -136,3 +136,44 @@ def test_local_window_pages_always_selected_within_k():
         assert {17, 18, 19} <= set(pages[h].tolist())
         best_rest = torch.topk(scores[h, :17], 3).indices.tolist()
         assert set(pages[h].tolist()) == {17, 18, 19, *best_rest}
+
+
+@pytest.mark.parametrize("length,page,n", [(30, 3, 4), (31, 4, 3), (10, 5, 9)])
+def test_anchor_pages_are_the_pages_with_the_best_token(length, page, n):
+    from rocketkv_mt.anchors import anchor_pages
+
+    torch.manual_seed(length)
+    scores = torch.rand(2, length)
+    got = anchor_pages(scores, page, n)
+    pages = -(-length // page)
+    for h in range(2):
+        best = [max(scores[h, p * page:(p + 1) * page].tolist()) for p in range(pages)]
+        want = sorted(sorted(range(pages), key=lambda p: -best[p])[: min(n, pages)])
+        assert got[h].tolist() == want
+    assert anchor_pages(scores, page, 0) is None
+
+
+def test_pinned_pages_are_attended_and_fast_path_agrees():
+    from rocketkv_mt.cache.store import LayerKV
+    from rocketkv_mt.hsa import hsa_decode
+
+    torch.manual_seed(5)
+    hkv, g, d, length, page = 3, 3, 32, 120, 3
+    store = LayerKV(hkv, d, torch.float32, torch.device("cpu"))
+    keys, values = torch.randn(hkv, length, d), torch.randn(hkv, length, d)
+    store.append(keys, values, torch.arange(length))
+    kt = KTCache(store.keys, page)
+    q = torch.randn(hkv, g, d)
+    channels = select_channels(q, 8)
+    scores = page_scores(q, kt.kmin, kt.kmax, channels)
+    pinned = torch.argsort(scores, dim=-1)[:, :2].sort(dim=-1).values  # the two worst pages per head
+    chosen = select_pages(scores, 8, n_local=2, pinned=pinned)
+    for h in range(hkv):
+        assert set(pinned[h].tolist()) <= set(chosen[h].tolist())
+        assert {38, 39} <= set(chosen[h].tolist())
+    kb, vb = store.buffers
+    got = hsa_decode(q, kb, vb, length, kt.bounds, page, 8, 24, d ** -0.5, 4, pinned)
+    ref = hsa_attention(q, keys, values, kt.kmin, kt.kmax, page, 8, 24, d ** -0.5, local_window=4, pinned=pinned)
+    assert torch.allclose(got, ref, atol=1e-5)
+    plain = hsa_attention(q, keys, values, kt.kmin, kt.kmax, page, 8, 24, d ** -0.5)
+    assert not torch.allclose(ref, plain, atol=1e-5)  # pinning the worst pages changes what is attended

@@ -24,7 +24,7 @@ def test_reselect_on_shuffled_slots_equals_stage1(group):
         keys[h, slots] = k[h]
         pos[h, slots] = torch.arange(length)
         alive[h, slots] = True
-    slots, positions = reselect(q, keys, pos, alive, length, budget, 7, d ** -0.5)
+    slots, positions, _ = reselect(q, keys, pos, alive, length, budget, 7, d ** -0.5)
     assert torch.equal(positions, want)
     assert torch.equal(torch.gather(pos, 1, slots), want)
     assert torch.all(torch.gather(alive, 1, slots))

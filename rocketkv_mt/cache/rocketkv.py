@@ -6,6 +6,7 @@ import contextlib
 import torch
 
 from rocketkv_mt import dispatch
+from rocketkv_mt.anchors import anchor_pages
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.snapkv import SnapKVCache
 from rocketkv_mt.cache.store import LayerKV
@@ -33,10 +34,16 @@ class RocketKVCache(SnapKVCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kt: list[KTCache | None] = [None] * self.spec.num_layers
+        # Per layer, the pages this turn's window scored highest (Hkv, A); None when nothing was selected.
+        self.anchors: list[torch.Tensor | None] = [None] * self.spec.num_layers
 
     def after_prefill(self, layer: int, q: torch.Tensor, scaling: float) -> None:
+        self.anchors[layer] = None
         super().after_prefill(layer, q, scaling)
         self.build_kt(layer)
+
+    def on_selected(self, layer: int, scores: torch.Tensor) -> None:
+        self.anchors[layer] = anchor_pages(scores, self.split.page_size, self.split.anchor_pages)
 
     def build_kt(self, layer: int) -> None:
         self.kt[layer] = KTCache(self.sparse_store(layer).keys, self.split.page_size)
@@ -53,14 +60,14 @@ class RocketKVCache(SnapKVCache):
         store, kt, split = self.sparse_store(layer), self.kt[layer], self.split
         kt.append(store.keys[:, -1])
         # Reading every kept token costs no more than the budget: attend exactly.
-        if store.length <= split.token_budget:
+        if store.length <= split.token_budget or layer < split.dense_layers:
             return dense_attention(q, store.keys, store.values, scaling)
         hkv = self.spec.num_kv_heads
         if dispatch.uses_triton(self.spec.kernels, q):
             out = dispatch.hsa_attention(
                 q.reshape(hkv, -1, q.shape[-1]), store.keys, store.values, kt.kmin.contiguous(), kt.kmax.contiguous(),
                 split.page_size, split.topr, split.topk, scaling,
-                local_window=split.local_window, backend=self.spec.kernels,
+                local_window=split.local_window, pinned=self.anchors[layer], backend=self.spec.kernels,
             )
             return out.reshape(q.shape)
         key_buf, value_buf = store.buffers
@@ -75,6 +82,7 @@ class RocketKVCache(SnapKVCache):
             split.topk,
             scaling,
             split.local_window,
+            self.anchors[layer],
         )
         return out.reshape(q.shape)
 

@@ -25,13 +25,15 @@ class RocketKVMTCache(RocketKVCache):
         split = self.split
         if full.length <= split.prompt_budget:
             turn.replace(full.keys, full.values, full.positions)
+            self.anchors[layer] = None
         else:
             w = min(split.window_size, q.shape[1])
-            slots, positions = reselect(
+            slots, positions, scores = reselect(
                 q[:, -w:], full.keys, full.positions, None, full.length, split.prompt_budget, split.kernel_size, scaling
             )
             idx = slots.unsqueeze(-1).expand(-1, -1, full.keys.shape[-1])
             turn.replace(torch.gather(full.keys, 1, idx), torch.gather(full.values, 1, idx), positions)
+            self.on_selected(layer, scores)
         self.build_kt(layer)
 
     def _hsa_step(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -48,6 +48,7 @@ class TieredCache(RocketKVCache):
         if not cold.refs and store.length <= split.prompt_budget:
             out = dense_attention(q, store.keys, store.values, scaling)
             self.build_kt(layer)
+            self.anchors[layer] = None
             return out
         dev = self.spec.device
         n_primary, n_cold = store.length, len(cold)
@@ -61,7 +62,7 @@ class TieredCache(RocketKVCache):
             values = torch.cat([store.values, cold.values(dev)], dim=1) if n_cold else store.values
             out = positional_attention(q, q_pos, keys, values, pos, alive, scaling)
         w = min(split.window_size, n)
-        slots, positions = reselect(
+        slots, positions, scores = reselect(
             q[:, -w:], keys, pos, alive, self.history_len + n, split.prompt_budget, split.kernel_size, scaling
         )
         from_primary = slots < n_primary
@@ -85,6 +86,7 @@ class TieredCache(RocketKVCache):
         kept.scatter_(1, torch.where(from_primary, slots, n_primary), True)
         cold.add(store.keys, store.values, store.positions, ~kept[:, :n_primary])
         store.replace(new_k, new_v, positions)
+        self.on_selected(layer, scores)
         cold.compact(dev)
         if self.tiers.prefill_attention == "selected":
             out = positional_attention(q, q_pos, store.keys, store.values, store.positions, None, scaling)
