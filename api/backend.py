@@ -3,10 +3,12 @@
 The routes only see a ``Backend``: ``LocalBackend`` calls a ``ChatService`` in this process;
 ``app.ray_backend.RayBackend`` sends each call to the Ray Serve replica that holds the session.
 Unary calls raise ``ApiError``; ``chat`` yields event dicts and reports failures as one
-``error`` event.
+``error`` event. ``owner`` is the caller's identity (``api.auth``; None without API keys): a
+session answers only to its owner and its token.
 """
 from __future__ import annotations
 
+import re
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -19,9 +21,18 @@ if TYPE_CHECKING:  # the service pulls in torch; a Ray ingress only needs this m
     from app.chat_service import ChatService
 
 
+# What ``new_session_id`` makes (and a little slack). Anything else cannot be a session, and must not
+# reach routing or Redis key names (``:`` or glob characters there would address other keys).
+SESSION_ID = re.compile(r"s_[A-Za-z0-9_-]{1,64}")
+
+
 def new_session_id() -> str:
     """Chosen here, before any replica is involved, because the Ray router keys on it (engine format)."""
     return "s_" + secrets.token_urlsafe(18)
+
+
+def is_session_id(value: Any) -> bool:
+    return isinstance(value, str) and SESSION_ID.fullmatch(value) is not None
 
 
 class Backend(ABC):
@@ -36,28 +47,30 @@ class Backend(ABC):
         pass
 
     @abstractmethod
-    async def create_session(self, mode: str | None, budget: int | None, system: str | None) -> dict[str, Any]: ...
+    async def create_session(
+        self, mode: str | None, budget: int | None, system: str | None, owner: str | None = None
+    ) -> dict[str, Any]: ...
 
     @abstractmethod
-    async def import_session(self, data: dict[str, Any]) -> dict[str, Any]: ...
+    async def import_session(self, data: dict[str, Any], owner: str | None = None) -> dict[str, Any]: ...
 
     @abstractmethod
-    async def resume(self, sid: str, token: str | None) -> dict[str, Any]: ...
+    async def resume(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]: ...
 
     @abstractmethod
-    async def get_session(self, sid: str, token: str | None) -> dict[str, Any]: ...
+    async def get_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]: ...
 
     @abstractmethod
-    async def export_session(self, sid: str, token: str | None) -> dict[str, Any]: ...
+    async def export_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]: ...
 
     @abstractmethod
-    async def delete_session(self, sid: str, token: str | None) -> None: ...
+    async def delete_session(self, sid: str, token: str | None, owner: str | None = None) -> None: ...
 
     @abstractmethod
-    async def cancel(self, sid: str, token: str | None) -> bool: ...
+    async def cancel(self, sid: str, token: str | None, owner: str | None = None) -> bool: ...
 
     @abstractmethod
-    async def list_sessions(self) -> list[dict[str, Any]]: ...
+    async def list_sessions(self, owner: str | None = None) -> list[dict[str, Any]]: ...
 
     @abstractmethod
     def chat(
@@ -67,11 +80,16 @@ class Backend(ABC):
         content: str,
         sampling: dict[str, Any],
         history: list[list[str]] | None = None,
+        owner: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]: ...
 
     @abstractmethod
     async def stats(self) -> dict[str, Any]:
         """Totals over all replicas: sessions, device/host/redis bytes, promotions, demotions."""
+
+    async def health(self) -> dict[str, Any]:
+        """``{"redis": {"ok", "error"}, "unsaved_sessions"}`` where Redis is configured; ``{}`` without it."""
+        return {}
 
 
 class LocalBackend(Backend):
@@ -94,37 +112,43 @@ class LocalBackend(Backend):
         except EngineError as exc:
             raise ApiError(exc.code, exc.message) from None
 
-    async def create_session(self, mode, budget, system):
-        return await self._call(self.service.create, new_session_id(), mode, budget, system)
+    async def create_session(self, mode, budget, system, owner=None):
+        return await self._call(self.service.create, new_session_id(), mode, budget, system, owner)
 
-    async def import_session(self, data):
-        return await self._call(self.service.import_session, new_session_id(), data)
+    async def import_session(self, data, owner=None):
+        return await self._call(self.service.import_session, new_session_id(), data, owner)
 
-    async def resume(self, sid, token):
-        return await self._call(self.service.resume, sid, token)
+    async def resume(self, sid, token, owner=None):
+        return await self._call(self.service.resume, sid, token, owner)
 
-    async def get_session(self, sid, token):
-        return await self._call(self.service.get, sid, token)
+    async def get_session(self, sid, token, owner=None):
+        return await self._call(self.service.get, sid, token, owner)
 
-    async def export_session(self, sid, token):
-        return await self._call(self.service.export, sid, token)
+    async def export_session(self, sid, token, owner=None):
+        return await self._call(self.service.export, sid, token, owner)
 
-    async def delete_session(self, sid, token):
-        await self._call(self.service.delete, sid, token)
+    async def delete_session(self, sid, token, owner=None):
+        await self._call(self.service.delete, sid, token, owner)
 
-    async def cancel(self, sid, token):
-        return await self._call(self.service.cancel, sid, token)
+    async def cancel(self, sid, token, owner=None):
+        return await self._call(self.service.cancel, sid, token, owner)
 
-    async def list_sessions(self):
-        local = await self.service.list_sessions()
+    async def list_sessions(self, owner=None):
+        local = await self.service.list_sessions(owner)
         if self.service.store is None:
             return local
         held = {s["session_id"] for s in local}
-        stored = [s for s in await self.service.store.summaries() if s["session_id"] not in held]
-        return local + stored
+        try:
+            stored = await self.service.store.summaries(owner=owner)
+        except Exception:  # Redis down: what this replica holds is still a true answer
+            return local
+        return local + [s for s in stored if s["session_id"] not in held]
 
-    def chat(self, sid, token, content, sampling, history=None):
-        return self.service.chat(sid, token, content, sampling, history)
+    def chat(self, sid, token, content, sampling, history=None, owner=None):
+        return self.service.chat(sid, token, content, sampling, history, owner)
 
     async def stats(self):
         return self.service.stats()
+
+    async def health(self):
+        return await self.service.health()

@@ -9,16 +9,29 @@ from fastapi.responses import JSONResponse
 from api.schemas import ErrorBody, ErrorDetail, ErrorEvent
 
 STATUS = {
+    "unauthorized": 401,
+    "request_too_large": 413,
+    "too_many_sessions": 429,
+    "rate_limited": 429,
     "session_not_found": 404,
     "model_not_found": 404,
     "session_busy": 409,
     "history_mismatch": 409,
     "replica_unavailable": 503,
+    "device_memory_exhausted": 503,
     "store_unavailable": 503,
     "internal_error": 500,
     "engine_error": 500,
 }
-TYPES = {404: "not_found_error", 409: "conflict_error", 500: "server_error", 503: "server_error"}
+TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 class ApiError(Exception):

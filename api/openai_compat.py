@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.backend import Backend
 from api.errors import ApiError
+from api.auth import request_owner
 from api.metrics import Metrics
 from api.schemas import (
     AssistantMessage,
@@ -87,6 +88,7 @@ async def chat_completions(
 ):
     backend: Backend = request.app.state.backend
     metrics: Metrics = request.app.state.metrics
+    caller = request_owner(request)
     if req.model != backend.model_name:
         raise ApiError("model_not_found", f"model {req.model!r} is not served; see /v1/models")
     if req.n != 1:
@@ -96,16 +98,16 @@ async def chat_completions(
         expected = [[m["role"], m["content"]] for m in history]
         created = False
     else:
-        info = await backend.import_session({"mode": req.mode, "budget": req.budget, "messages": history})
+        info = await backend.import_session({"mode": req.mode, "budget": req.budget, "messages": history}, caller)
         session_id, session_token, expected, created = info["session_id"], info["token"], None, True
 
-    events = backend.chat(session_id, session_token, content, _sampling(req), expected)
+    events = backend.chat(session_id, session_token, content, _sampling(req), expected, caller)
     start = await anext(events)
     if start["type"] == "error":
         metrics.observe(start)
         await events.aclose()
         if created:  # nobody can use a session whose first turn was refused
-            await backend.delete_session(session_id, session_token)
+            await backend.delete_session(session_id, session_token, caller)
         raise ApiError.from_event(start)
     headers = {"x-session-id": session_id, "x-session-token": session_token or "", "x-replica": start["replica"]}
     cid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -3,7 +3,8 @@
 Routes: WebSocket ``/v1/chat/ws``; ``/v1/sessions`` (REST); ``/v1/chat/completions`` and
 ``/v1/models`` (OpenAI); ``/healthz``; ``/metrics`` (Prometheus text). Every HTTP response has
 an ``x-replica`` header: the replica that served the session when there is one, else the
-process that answered.
+process that answered. With API keys configured, ``api.auth.AuthGate`` stands in front of all
+HTTP routes but the open ones, and ``api.limits.BodyLimit`` in front of every body.
 """
 from __future__ import annotations
 
@@ -13,15 +14,20 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 
 from api import openai_compat, sessions, ui
+from api.auth import ApiKeys, AuthGate
 from api.backend import Backend
 from api.errors import ApiError, error_response
+from api.limits import BodyLimit
 from api.metrics import CONTENT_TYPE, Metrics
 from api.schemas import Health
 from api.ws import ChatConnection
+from app.settings import ServeSettings
 
 log = logging.getLogger(__name__)
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 class ReplicaHeader:
@@ -46,7 +52,9 @@ class ReplicaHeader:
         await self.app(scope, receive, send_with_header)
 
 
-def create_app(backend: Backend) -> FastAPI:
+def create_app(backend: Backend, settings: ServeSettings | None = None) -> FastAPI:
+    settings = settings or ServeSettings()
+    keys = ApiKeys(settings.api_key)
     metrics = Metrics()
 
     @asynccontextmanager
@@ -60,9 +68,14 @@ def create_app(backend: Backend) -> FastAPI:
     app = FastAPI(title="rocketkv-mt", version="0.1.0", lifespan=lifespan)
     app.state.backend = backend
     app.state.metrics = metrics
+    app.state.settings = settings
+    app.state.keys = keys
     app.include_router(sessions.router)
     app.include_router(openai_compat.router)
     app.include_router(ui.router)  # the browser chat page at / (api/ui.py)
+    # The last added runs first: the size check before auth, and x-replica on every answer, refusals too.
+    app.add_middleware(AuthGate, keys=keys, metrics=metrics)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, metrics=metrics)
     app.add_middleware(ReplicaHeader, replica=backend.replica)
 
     @app.exception_handler(ApiError)
@@ -70,15 +83,36 @@ def create_app(backend: Backend) -> FastAPI:
         metrics.errors.labels(exc.code).inc()
         return error_response(exc)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException):
+        # Starlette's own refusals (no such route, wrong method, an unparsable body) in our error shape.
+        code = HTTP_CODES.get(exc.status_code, "internal_error" if exc.status_code >= 500 else "invalid_request")
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        metrics.errors.labels(code).inc()
+        return error_response(ApiError(code, message, status=exc.status_code), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception):
+        log.error("request failed", exc_info=exc)
+        metrics.errors.labels("internal_error").inc()
+        return error_response(ApiError("internal_error", "the server could not handle the request"))
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError):
         fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         metrics.errors.labels("invalid_request").inc()
         return error_response(ApiError("invalid_request", fields or "invalid request"))
 
-    @app.get("/healthz", response_model=Health, tags=["ops"])
+    @app.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["ops"])
     async def healthz():
-        return Health(replica=backend.replica, model=backend.model_name, backend=backend.kind)
+        try:
+            extra = await backend.health()
+        except Exception as exc:  # a health check must answer, whatever broke
+            log.warning("health check failed", exc_info=True)
+            extra = {"redis": {"ok": False, "error": f"{type(exc).__name__}: {exc}"}}
+        degraded = extra.get("redis") is not None and not extra["redis"]["ok"]
+        return Health(status="degraded" if degraded else "ok", replica=backend.replica, model=backend.model_name,
+                      backend=backend.kind, **extra)
 
     @app.get("/metrics", tags=["ops"])
     async def prometheus():
@@ -91,6 +125,6 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.websocket("/v1/chat/ws")
     async def chat_ws(ws: WebSocket):
-        await ChatConnection(ws, backend, metrics).run()
+        await ChatConnection(ws, backend, metrics, keys, settings).run()
 
     return app

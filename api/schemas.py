@@ -3,30 +3,49 @@
 WebSocket protocol (`/v1/chat/ws`, one JSON object per text frame, each with a ``type``):
 
 client → server
+  ``auth``            {api_key}                          only when the server has API keys and the
+                                                         handshake carried none (no ``Authorization``
+                                                         header, no ``?api_key=``): the first frame
   ``session.create``  {mode?, budget?, system?}         start a session on this connection
   ``session.resume``  {session_id, token?}               bind an existing session (token required
                                                          when the server issued one)
   ``message``         {content, max_tokens?, temperature?, top_p?, stop?, seed?}
   ``cancel``          {}                                 stop the reply being generated
 server → client
+  ``authenticated``  {}                                  the ``auth`` frame was accepted
   ``session``  {session_id, token, mode, budget, replica}
   ``delta``    {text}
   ``done``     {finish_reason, usage{prompt_tokens, prefilled_tokens, generated_tokens},
                 memory{device_bytes, host_bytes, redis_bytes, readmitted_tokens, ...}, replica, ...}
-  ``error``    {code, message}; the connection stays open.
+  ``error``    {code, message}; the connection stays open, except after ``unauthorized``
+               (closed with code 4401).
 
 Error codes besides the engine's (``session_not_found``, ``session_busy``, ``empty_message``,
-``message_too_large``, ``invalid_sampling_params``, ``unknown_mode``, ``context_length_exceeded``):
-``invalid_json`` (frame is not a JSON object), ``invalid_event`` (fields missing or of the wrong
-type), ``unknown_type`` (no such event type), ``no_session`` (message before create/resume),
-``replica_unavailable`` (the replica died mid-turn; the next turn resumes from the last saved
-state), ``internal_error``.
+``message_too_large``, ``max_tokens_too_large``, ``invalid_sampling_params``, ``unknown_mode``,
+``context_length_exceeded``): ``invalid_json`` (frame is not a JSON object, or not UTF-8),
+``invalid_event`` (fields missing or of the wrong type), ``unknown_type`` (no such event type),
+``no_session`` (message before create/resume), ``unauthorized`` (missing or wrong API key),
+``rate_limited`` (frame over the connection's rate; dropped), ``too_many_sessions`` (the replica
+is full), ``replica_unavailable`` (the replica died mid-turn; the next turn resumes from the last
+saved state), ``internal_error``. README's error table lists them all with their HTTP statuses.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+
+def unicode_text(value: str) -> str:
+    """JSON's ``\\ud800`` escapes make strings no tokenizer (or UTF-8 encoder) accepts: refuse them here."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode text (a lone surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
 
 
 class _Strict(BaseModel):
@@ -34,11 +53,16 @@ class _Strict(BaseModel):
 
 
 # --- WebSocket: client events -----------------------------------------------------------------
+class Auth(_Strict):
+    type: Literal["auth"]
+    api_key: str = Field(description="One of the server's API keys (RKV_API_KEY).")
+
+
 class SessionCreate(_Strict):
     type: Literal["session.create"]
     mode: str | None = Field(None, description="Cache mode (full, snapkv, rocketkv, ...); default: the server's.")
     budget: int | None = Field(None, description="RocketKV token budget; default: the server's.")
-    system: str | None = Field(None, description="Optional system prompt.")
+    system: Text | None = Field(None, description="Optional system prompt.")
 
 
 class SessionResume(_Strict):
@@ -49,11 +73,11 @@ class SessionResume(_Strict):
 
 class UserMessage(_Strict):
     type: Literal["message"]
-    content: str
+    content: Text
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: list[str] | None = None
+    stop: list[Text] | None = None
     seed: int | None = None
 
 
@@ -61,12 +85,16 @@ class Cancel(_Strict):
     type: Literal["cancel"]
 
 
-ClientEvent = Annotated[Union[SessionCreate, SessionResume, UserMessage, Cancel], Field(discriminator="type")]
+ClientEvent = Annotated[Union[Auth, SessionCreate, SessionResume, UserMessage, Cancel], Field(discriminator="type")]
 client_event_adapter: TypeAdapter[ClientEvent] = TypeAdapter(ClientEvent)
-CLIENT_EVENT_TYPES = frozenset({"session.create", "session.resume", "message", "cancel"})
+CLIENT_EVENT_TYPES = frozenset({"auth", "session.create", "session.resume", "message", "cancel"})
 
 
 # --- WebSocket: server events -----------------------------------------------------------------
+class AuthenticatedEvent(BaseModel):
+    type: Literal["authenticated"] = "authenticated"
+
+
 class UsageModel(BaseModel):
     prompt_tokens: int = Field(description="Whole history at the start of the turn, new message included.")
     prefilled_tokens: int = Field(description="Tokens this turn fed through the model before decoding.")
@@ -114,7 +142,9 @@ class ErrorEvent(BaseModel):
     message: str
 
 
-ServerEvent = Annotated[Union[SessionEvent, DeltaEvent, DoneEvent, ErrorEvent], Field(discriminator="type")]
+ServerEvent = Annotated[
+    Union[AuthenticatedEvent, SessionEvent, DeltaEvent, DoneEvent, ErrorEvent], Field(discriminator="type")
+]
 server_event_adapter: TypeAdapter[ServerEvent] = TypeAdapter(ServerEvent)
 
 
@@ -122,7 +152,7 @@ server_event_adapter: TypeAdapter[ServerEvent] = TypeAdapter(ServerEvent)
 class CreateSessionRequest(_Strict):
     mode: str | None = None
     budget: int | None = None
-    system: str | None = None
+    system: Text | None = None
 
 
 class SessionInfo(BaseModel):
@@ -203,11 +233,22 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+class RedisHealth(BaseModel):
+    ok: bool
+    error: str | None = Field(None, description="The last Redis error, while Redis is unreachable.")
+
+
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    """Always HTTP 200 while the process serves: ``degraded`` means chatting works but Redis does not."""
+
+    status: Literal["ok", "degraded"] = "ok"
     replica: str
     model: str
     backend: str
+    redis: RedisHealth | None = Field(None, description="Present when the server is configured with Redis.")
+    unsaved_sessions: int | None = Field(
+        None, description="Sessions whose latest state is not in Redis yet (saved when Redis is back)."
+    )
 
 
 # --- OpenAI-compatible -----------------------------------------------------------------------
@@ -223,6 +264,15 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+    @model_validator(mode="after")
+    def _text_parts(self) -> "ChatMessage":
+        if isinstance(self.content, list) and any(
+            p.get("type") == "text" and not isinstance(p.get("text", ""), str) for p in self.content
+        ):
+            raise ValueError("a text part needs a string 'text'")
+        unicode_text(self.text())
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -242,7 +292,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     n: int = 1
     mode: str | None = Field(None, description="Cache mode of a new session (extension).")

@@ -2,6 +2,8 @@
 
 Replies stream as they are generated; Ctrl-C during a reply cancels it, Ctrl-C or Ctrl-D at the
 prompt quits. Commands: ``/session`` (show id and token), ``/resume ID TOKEN``, ``/new``, ``/quit``.
+With ``RKV_API_KEY`` set in the environment, its (first) key goes in the handshake's
+``Authorization: Bearer`` header.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 from urllib.parse import urlsplit, urlunsplit
@@ -123,10 +126,15 @@ class Client:
                 await self.turn(line)
 
 
+def auth_headers() -> dict[str, str] | None:
+    key = (os.environ.get("RKV_API_KEY") or "").split(",")[0].strip()
+    return {"Authorization": f"Bearer {key}"} if key else None
+
+
 async def _main(args: argparse.Namespace) -> int:
     url = ws_url(args.url)
     try:
-        async with connect(url, max_size=None, open_timeout=30) as ws:
+        async with connect(url, max_size=None, open_timeout=30, additional_headers=auth_headers()) as ws:
             await Client(ws, args).run()
     except OSError as exc:
         _err(f"cannot reach {url}: {exc}")

@@ -54,35 +54,35 @@ class ChatReplica:
             await self._hold(sid)
         return {"ok": result}
 
-    async def create(self, sid, mode, budget, system):
-        return await self._unary(sid, self.service.create, sid, mode, budget, system)
+    async def create(self, sid, mode, budget, system, owner=None):
+        return await self._unary(sid, self.service.create, sid, mode, budget, system, owner)
 
-    async def import_session(self, sid, data):
-        return await self._unary(sid, self.service.import_session, sid, data)
+    async def import_session(self, sid, data, owner=None):
+        return await self._unary(sid, self.service.import_session, sid, data, owner)
 
-    async def resume(self, sid, token):
-        return await self._unary(sid, self.service.resume, sid, token)
+    async def resume(self, sid, token, owner=None):
+        return await self._unary(sid, self.service.resume, sid, token, owner)
 
-    async def get(self, sid, token):
-        return await self._unary(sid, self.service.get, sid, token)
+    async def get(self, sid, token, owner=None):
+        return await self._unary(sid, self.service.get, sid, token, owner)
 
-    async def export(self, sid, token):
-        return await self._unary(sid, self.service.export, sid, token)
+    async def export(self, sid, token, owner=None):
+        return await self._unary(sid, self.service.export, sid, token, owner)
 
-    async def delete(self, sid, token):
-        return await self._unary("", self.service.delete, sid, token)
+    async def delete(self, sid, token, owner=None):
+        return await self._unary("", self.service.delete, sid, token, owner)
 
-    async def cancel(self, sid, token):
-        return await self._unary("", self.service.cancel, sid, token)
+    async def cancel(self, sid, token, owner=None):
+        return await self._unary("", self.service.cancel, sid, token, owner)
 
-    async def list_sessions(self):
-        return {"ok": await self.service.list_sessions()}
+    async def list_sessions(self, owner=None):
+        return {"ok": await self.service.list_sessions(owner)}
 
     async def stats(self):
         return {"ok": self.service.stats()}
 
-    async def chat(self, sid, token, content, sampling, history=None):
-        async for event in self.service.chat(sid, token, content, sampling, history):
+    async def chat(self, sid, token, content, sampling, history=None, owner=None):
+        async for event in self.service.chat(sid, token, content, sampling, history, owner):
             if event["type"] == "start":
                 await self._hold(sid)
             yield event
@@ -95,12 +95,14 @@ class Ingress:
         from app.serve import served_model_name
 
         config = ServerSettings(**settings)
+        self.settings = config
         self.backend = RayBackend(chat, config, f"ingress-{replica_name()}", served_model_name(config))
 
     def __serve_build_asgi_app__(self):
         from api.routes import create_app
+        from app.serve import with_stats_route
 
-        return create_app(self.backend)
+        return with_stats_route(create_app(self.backend, self.settings))
 
 
 def gpus_per_replica(settings: ServerSettings) -> float:
@@ -144,4 +146,6 @@ def build_app(settings: ServerSettings):
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=settings.ingress_max_ongoing_requests,
     )
-    return ingress.bind(chat.bind(config), config)
+    # Only the ingress checks API keys; chat replicas never see them.
+    replica_config = {k: v for k, v in config.items() if k != "api_key"}
+    return ingress.bind(chat.bind(replica_config), config)

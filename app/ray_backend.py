@@ -18,7 +18,7 @@ from ray import exceptions as ray_exceptions
 from ray.serve import exceptions as serve_exceptions
 from ray.serve.handle import DeploymentHandle
 
-from api.backend import Backend, new_session_id
+from api.backend import Backend, is_session_id, new_session_id
 from api.errors import ApiError, error_event
 from app.settings import ServerSettings
 from app.session_store import SessionStore
@@ -34,6 +34,12 @@ RETRYABLE = tuple(
     )
     if exc is not None
 )
+
+
+def _routable(sid: Any) -> str:
+    """The id as a routing key; anything that cannot be a session id routes like a new request
+    (the replica answers it ``session_not_found``)."""
+    return sid if is_session_id(sid) else ""
 
 
 def unwrap(result: dict[str, Any]) -> Any:
@@ -79,33 +85,46 @@ class RayBackend(Backend):
     async def _call(self, sid: str, method: str, *args) -> Any:
         return unwrap(await self._retrying(lambda: getattr(self._to(sid), method).remote(*args)))
 
-    async def create_session(self, mode, budget, system):
+    async def create_session(self, mode, budget, system, owner=None):
         sid = new_session_id()
-        return await self._call(sid, "create", sid, mode, budget, system)
+        return await self._call(sid, "create", sid, mode, budget, system, owner)
 
-    async def import_session(self, data):
+    async def import_session(self, data, owner=None):
         sid = new_session_id()
-        return await self._call(sid, "import_session", sid, data)
+        return await self._call(sid, "import_session", sid, data, owner)
 
-    async def resume(self, sid, token):
-        return await self._call(sid, "resume", sid, token)
+    async def resume(self, sid, token, owner=None):
+        return await self._call(_routable(sid), "resume", sid, token, owner)
 
-    async def get_session(self, sid, token):
-        return await self._call(sid, "get", sid, token)
+    async def get_session(self, sid, token, owner=None):
+        return await self._call(_routable(sid), "get", sid, token, owner)
 
-    async def export_session(self, sid, token):
-        return await self._call(sid, "export", sid, token)
+    async def export_session(self, sid, token, owner=None):
+        return await self._call(_routable(sid), "export", sid, token, owner)
 
-    async def delete_session(self, sid, token):
-        await self._call(sid, "delete", sid, token)
+    async def delete_session(self, sid, token, owner=None):
+        await self._call(_routable(sid), "delete", sid, token, owner)
 
-    async def cancel(self, sid, token):
-        return await self._call(sid, "cancel", sid, token)
+    async def cancel(self, sid, token, owner=None):
+        return await self._call(_routable(sid), "cancel", sid, token, owner)
 
-    async def list_sessions(self):
+    async def list_sessions(self, owner=None):
         if self.store is not None:
-            return await self.store.summaries()
-        return await self._call("", "list_sessions")  # without a store: one replica's view only
+            try:
+                return await self.store.summaries(owner=owner)
+            except Exception as exc:
+                message = f"the session list lives in Redis, which is unreachable: {exc}"
+                raise ApiError("store_unavailable", message) from None
+        return await self._call("", "list_sessions", owner)  # without a store: one replica's view only
+
+    async def health(self):
+        if self.store is None:
+            return {}
+        try:
+            await asyncio.wait_for(self.store.ping(), 2.0)
+        except Exception as exc:
+            return {"redis": {"ok": False, "error": f"{type(exc).__name__}: {exc}"}}
+        return {"redis": {"ok": True}}
 
     async def stats(self):
         if self.store is None:
@@ -118,11 +137,11 @@ class RayBackend(Backend):
                     totals[key] = totals.get(key, 0) + value
         return totals
 
-    async def chat(self, sid, token, content, sampling, history=None) -> AsyncIterator[dict[str, Any]]:
+    async def chat(self, sid, token, content, sampling, history=None, owner=None) -> AsyncIterator[dict[str, Any]]:
         deadline = time.monotonic() + self.retry_s
         delay, started = 0.1, False
         while True:
-            gen = self._to(sid, stream=True).chat.remote(sid, token, content, sampling, history)
+            gen = self._to(_routable(sid), stream=True).chat.remote(sid, token, content, sampling, history, owner)
             committed = False  # once text has gone out, a retry would repeat it
             try:
                 async for event in gen:

@@ -41,7 +41,13 @@ def build_service(settings: ServerSettings, replica: str | None = None, loaded=N
     from app.engine.engine import Engine
 
     engine = Engine(settings, loaded=loaded)
-    return ChatService(engine, replica or settings.replica_id, make_store(settings), settings.idle_evict_s)
+    return ChatService(
+        engine,
+        replica or settings.replica_id,
+        make_store(settings),
+        settings.idle_evict_s,
+        max_sessions=settings.max_sessions_per_replica,
+    )
 
 
 def build_local_app(settings: ServerSettings, loaded=None):
@@ -49,7 +55,20 @@ def build_local_app(settings: ServerSettings, loaded=None):
     from api.backend import LocalBackend
     from api.routes import create_app
 
-    return create_app(LocalBackend(build_service(settings, loaded=loaded), served_model_name(settings)))
+    app = create_app(LocalBackend(build_service(settings, loaded=loaded), served_model_name(settings)), settings)
+    return with_stats_route(app)
+
+
+def with_stats_route(app):
+    """Add ``GET /v1/stats``: the backend's totals as JSON (sessions, bytes per tier, device budget,
+    peak device bytes, parked sessions, refused turns, batching figures); ``bench serve`` reads it."""
+    backend = app.state.backend
+
+    @app.get("/v1/stats", tags=["ops"])
+    async def stats():
+        return await backend.stats()
+
+    return app
 
 
 def run_local(settings: ServerSettings) -> int:
@@ -57,7 +76,9 @@ def run_local(settings: ServerSettings) -> int:
 
     app = build_local_app(settings)
     log.warning("serving on http://%s:%d (in-process, no Ray)", settings.host, settings.port)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", ws_ping_interval=30)
+    # Frames over the limit are refused by the protocol layer (close 1009) before anyone buffers them.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", ws_ping_interval=30,
+                ws_max_size=settings.max_request_bytes + 1024)
     return 0
 
 

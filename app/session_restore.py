@@ -23,7 +23,8 @@ _MESSAGE_FLAGS = ("closed", "cancelled", "error")
 
 
 def token_digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+    # surrogatepass: a client's "\ud800" must make a wrong token, not an exception.
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def token_matches(token: str | None, digest: str | None) -> bool:
@@ -32,11 +33,22 @@ def token_matches(token: str | None, digest: str | None) -> bool:
     return hmac.compare_digest(token_digest(token), digest)
 
 
+def is_unicode(text: str) -> bool:
+    """False for strings with lone surrogates, which no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def clean_messages(messages: list[Any]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise InvalidRequest(f"messages[{i}] needs a role in {ROLES} and a string content")
+        if not is_unicode(m["content"]):
+            raise InvalidRequest(f"messages[{i}] is not valid Unicode text (a lone surrogate)")
         out.append({"role": m["role"], "content": m["content"], **{k: True for k in _MESSAGE_FLAGS if m.get(k)}})
     return out
 
@@ -69,14 +81,19 @@ def _validated(engine: Engine, mode: str | None, budget: int | None) -> tuple[st
 
 
 def create_with_id(
-    engine: Engine, session_id: str, mode: str | None, budget: int | None, system: str | None
+    engine: Engine,
+    session_id: str,
+    mode: str | None,
+    budget: int | None,
+    system: str | None,
+    owner: str | None = None,
 ) -> Session:
     """A new session under an id chosen by the caller (the router keys on it).
 
     Its cache is made by the engine at the first turn, so that the cache's tier keys carry this id.
     """
     mode, rocket = _validated(engine, mode, budget)
-    session = Session(id=session_id, mode=mode, rocket=rocket, cache=None)
+    session = Session(id=session_id, mode=mode, rocket=rocket, cache=None, owner=owner)
     if system:
         session.messages.append({"role": "system", "content": system})
     engine.sessions[session_id] = session
@@ -94,6 +111,7 @@ def seed_session(
     rocket: dict[str, Any] | None = None,
     turns: list[dict[str, Any]] | None = None,
     created_at: float | None = None,
+    owner: str | None = None,
 ) -> Session:
     """A session holding ``messages`` whose cache is rebuilt from ``token_ids`` on its next turn."""
     msgs = clean_messages(messages)
@@ -103,7 +121,9 @@ def seed_session(
     ids = check_ids(engine, token_ids) if token_ids is not None else render_ids(engine, msgs)
     if ids and msgs and token_ids is None:
         msgs[-1]["closed"] = True  # the rendering already closed the last turn
-    session = Session(id=session_id, mode=mode, rocket=config, cache=None, messages=msgs, token_ids=ids)
+    session = Session(
+        id=session_id, mode=mode, rocket=config, cache=None, messages=msgs, token_ids=ids, owner=owner
+    )
     session.turns = [TurnStats(**t) for t in turns or []]
     if created_at:
         session.created_at = created_at
@@ -125,6 +145,7 @@ def summary(session: Session, replica: str | None) -> dict[str, Any]:
         "created_at": session.created_at,
         "last_used": session.last_used,
         "replica": replica,
+        "owner": session.owner,  # for filtering listings; the API never shows it
     }
 
 
@@ -137,6 +158,7 @@ def record(session: Session, digest: str) -> dict[str, Any]:
         "messages": session.messages,
         "token_ids": session.token_ids,
         "token_sha256": digest,
+        "owner": session.owner,
         "turns": [dataclasses.asdict(t) for t in session.turns],
         "created_at": session.created_at,
         "saved_at": time.time(),
@@ -154,6 +176,7 @@ def restore(engine: Engine, data: dict[str, Any]) -> Session:
         rocket=data.get("rocket"),
         turns=data.get("turns"),
         created_at=data.get("created_at"),
+        owner=data.get("owner"),
     )
 
 

@@ -1,7 +1,7 @@
 """Serving-side session records in Redis, so that any replica can restore a session whose replica is gone.
 
 One hash per session at ``{ns}:session:{id}``: ``version`` (a counter bumped by every save),
-``data`` (JSON: mode, RocketKV config, messages, token ids, owner-token digest, turn stats) and
+``data`` (JSON: mode, RocketKV config, messages, token ids, token digest, owner, turn stats) and
 ``summary`` (a small JSON for listings); a sorted set ``{ns}:sessions`` indexes them by last
 save time. JSON only, never pickle. Keys expire after an idle TTL that saves and loads renew.
 (The engine keeps its own ``{ns}:session:{id}:meta`` and KV chunk keys next to these.)
@@ -35,11 +35,14 @@ return 0
 
 
 class SessionStore:
-    def __init__(self, url: str, namespace: str = "rkv", ttl_s: int = 7 * 24 * 3600):
+    def __init__(self, url: str, namespace: str = "rkv", ttl_s: int = 7 * 24 * 3600, timeout_s: float = 2.0):
         self.url = url
         self.ns = namespace
         self.ttl_s = int(ttl_s)
-        self._redis = aioredis.from_url(url, decode_responses=True)
+        # Bounded waits: a hung Redis must slow a turn's save by seconds at most, never stall it.
+        self._redis = aioredis.from_url(
+            url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
         self._cas = self._redis.register_script(_CAS_SAVE)
 
     def key(self, session_id: str) -> str:
@@ -76,6 +79,12 @@ class SessionStore:
             return None
         return json.loads(data), int(version)
 
+    async def exists_all(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` (full key names, in this namespace) exists."""
+        if any(not k.startswith(f"{self.ns}:") for k in keys):
+            raise ValueError("keys outside this store's namespace")
+        return not keys or await self._redis.exists(*keys) == len(keys)
+
     async def version(self, session_id: str) -> int | None:
         value = await self._redis.hget(self.key(session_id), "version")
         return None if value is None else int(value)
@@ -86,8 +95,9 @@ class SessionStore:
             pipe.zrem(self._index, session_id)
             await pipe.execute()
 
-    async def summaries(self, limit: int = 1000) -> list[dict[str, Any]]:
-        """Most recently saved first; index entries whose session expired are dropped on the way."""
+    async def summaries(self, limit: int = 1000, owner: str | None = None) -> list[dict[str, Any]]:
+        """``owner``'s sessions among the ``limit`` most recently saved, newest first; index entries
+        whose session expired are dropped on the way."""
         ids = await self._redis.zrevrange(self._index, 0, limit - 1)
         if not ids:
             return []
@@ -98,7 +108,8 @@ class SessionStore:
         gone = [sid for sid, raw in zip(ids, raws) if raw is None]
         if gone:
             await self._redis.zrem(self._index, *gone)
-        return [json.loads(raw) for raw in raws if raw is not None]
+        found = (json.loads(raw) for raw in raws if raw is not None)
+        return [s for s in found if s.get("owner") == owner]
 
     async def put_replica_stats(self, replica: str, stats: dict[str, Any], ttl_s: int) -> None:
         await self._redis.set(self._replica_key(replica), json.dumps(stats), ex=ttl_s)

@@ -40,7 +40,12 @@ class Settings(BaseSettings):
         256, ge=16, description="RocketKV token budget t; the other compression sizes derive from it."
     )
     window_size: int = Field(32, ge=1, description="Stage-1 observation window W (queries that score the history).")
-    kernel_size: int = Field(63, ge=1, description="Stage-1 max-pool kernel over the scores (odd).")
+    kernel_size: int = Field(
+        15,
+        ge=1,
+        description="Stage-1 max-pool kernel over the scores (odd). The paper uses 63; 15 kept more of what the "
+        "bundled 135M model needs at budget 256 (README, measured figures).",
+    )
     max_new_tokens: int = Field(256, ge=1, description="Default cap on generated tokens per turn.")
     max_tokens_limit: int = Field(
         4096, ge=1, description="Largest max_tokens a request may ask for."
@@ -63,6 +68,13 @@ class Settings(BaseSettings):
         "dense",
         description="Tiered mode: a new turn's tokens attend densely over the whole history (cold streamed "
         "layer by layer) or only over the re-selected primary set.",
+    )
+    device_budget_bytes: int = Field(
+        0,
+        ge=0,
+        description="Device memory for session KV caches per replica (0: unlimited). A turn is admitted only "
+        "if it fits with what the other sessions hold, after parking least recently used idle sessions "
+        "off the device; otherwise it is refused with `device_memory_exhausted`.",
     )
     kernels: Literal["auto", "torch", "triton"] = Field(
         "auto", description="'auto' uses Triton kernels for CUDA tensors and torch references otherwise."
@@ -109,7 +121,26 @@ class ServeSettings(BaseSettings):
     max_sessions_per_replica: int = Field(
         1024,
         ge=1,
-        description="Sessions a replica advertises to the router as held (least recently used drop out).",
+        description="Sessions a replica holds in memory: at the limit, idle sessions that Redis keeps are "
+        "dropped first, then new sessions get `too_many_sessions`. Also what it advertises to the router.",
+    )
+
+    # Security and limits (README: Security and limits)
+    api_key: str | None = Field(
+        None,
+        repr=False,
+        description="Comma-separated API keys. When set, every endpoint but /healthz (and the static chat page) "
+        "needs `Authorization: Bearer <key>`; sessions belong to the key that made them.",
+    )
+    max_request_bytes: int = Field(
+        8 * 1024**2, ge=1024, description="Largest HTTP request body and WebSocket frame, in bytes."
+    )
+    ws_frames_per_s: float = Field(
+        20.0, gt=0, description="Sustained client frames per second one WebSocket connection may send."
+    )
+    ws_frame_burst: int = Field(40, ge=1, description="Frames a WebSocket connection may send at once above the rate.")
+    ws_auth_timeout_s: float = Field(
+        10.0, gt=0, description="How long a WebSocket without a key in its handshake has to send its `auth` frame."
     )
     request_retry_s: float = Field(
         20.0, ge=0, description="How long the ingress retries a request whose replica died before it answered."

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -49,6 +50,11 @@ class ServerThread:
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}/v1/chat/ws"
 
+    @property
+    def service(self):
+        """The in-process ``ChatService`` behind the app (for checks a client cannot make)."""
+        return self.server.config.app.state.backend.service
+
     def __enter__(self) -> "ServerThread":
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -85,30 +91,109 @@ def local_server(loaded, **overrides):
 @contextlib.contextmanager
 def cli_server(*args: str, env: dict | None = None, timeout: float = 120):
     """``rocketkv-mt serve ARGS`` as a subprocess on a free port, stopped (and reaped) afterwards."""
+    with server_process(*args, env=env, timeout=timeout) as proc:
+        yield proc.url
+
+
+class ServerProcess:
+    def __init__(self, proc: subprocess.Popen, url: str):
+        self.proc = proc
+        self.url = url
+        self.ws_url = url.replace("http", "ws", 1) + "/v1/chat/ws"
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to save or say goodbye, as when a machine dies."""
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def server_process(*args: str, env: dict | None = None, timeout: float = 120):
+    """Like ``cli_server``, yielding a ``ServerProcess`` (url and the process, to kill it)."""
     port = free_port()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    # A file, not a pipe: nobody reads a pipe while the server runs, and a full one would block it.
+    output = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "RKV_THREADS": "1", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=output, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stdout.read()[-3000:]}")
+                output.seek(0)
+                raise RuntimeError(f"server exited: {output.read()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not become healthy")
             time.sleep(0.5)
-        yield url
+        yield ServerProcess(proc, url)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        output.close()
+
+
+class RedisServer:
+    """A private ``redis-server`` on a free port (AOF on, in ``dir``), to stop and restart in fault tests.
+
+    Never the shared instance: stopping that would break everyone else's tests.
+    """
+
+    def __init__(self, dir: str):
+        self.dir = str(dir)
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port, socket_connect_timeout=1)
+
+    def start(self) -> None:
+        subprocess.run(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "yes",
+             "--pidfile", os.path.join(self.dir, "redis.pid"), "--logfile", os.path.join(self.dir, "redis.log")],
+            check=True,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(Exception):
+                if self.client().ping():
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", "nosave"], capture_output=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:  # a bare connect: redis-py's client retries refused connections with back-off
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            except OSError:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not stop")
+
+    def __enter__(self) -> "RedisServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(Exception):
+            self.stop()
 
 
 class WsChat:
@@ -119,8 +204,8 @@ class WsChat:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, ws_url: str):
-        async with connect(ws_url, open_timeout=30, max_size=None) as ws:
+    async def open(cls, ws_url: str, headers: dict | None = None):
+        async with connect(ws_url, open_timeout=30, max_size=None, additional_headers=headers) as ws:
             yield cls(ws)
 
     async def send(self, event: dict) -> None:
@@ -147,3 +232,17 @@ class WsChat:
                 deltas.append(event["text"])
             else:
                 return deltas, event
+
+
+async def turn_until_done(chat: WsChat, content: str, **params) -> tuple[str, dict]:
+    """A turn that must succeed: the reply text and its ``done`` event."""
+    deltas, done = await chat.turn(content, **params)
+    assert done["type"] == "done", done
+    return "".join(deltas), done
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]

@@ -116,6 +116,20 @@ class HostTier:
             if self.redis is not None:
                 self.redis.delete_chunk(*key)
 
+    def drop_session(self, session_id: str) -> int:
+        """Give back the slots of a session leaving this process, keeping its Redis copies.
+
+        Unlike ``free``, nothing is deleted from Redis: the session's stored state (which another
+        replica, or this one later, restores) still refers to those chunks. Returns the slots freed.
+        """
+        keys = [key for key in self._resident if key[0] == session_id]
+        for key in keys:
+            self._free.append(self._resident.pop(key))
+            self.stats.entries -= 1
+            self.stats.bytes -= self._slot_bytes
+        self._in_redis.difference_update([key for key in self._in_redis if key[0] == session_id])
+        return len(keys)
+
     def persist(self, key: ChunkKey) -> bool:
         """Make sure Redis holds a copy of this chunk (chunks never change, so once is enough)."""
         if key in self._in_redis:

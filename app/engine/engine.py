@@ -5,27 +5,36 @@
 request raise an ``EngineError`` before anything is yielded and leave the session unchanged.
 Closing the iterator early (or ``Engine.cancel``) ends the turn as ``cancelled``; the partial
 reply is kept in the history, marked ``cancelled``.
+
+All model work runs on one model thread (``Batcher``): the decode steps of every session generating
+at the same time are one batched forward, and a new turn's prefill joins that forward. Device
+memory is accounted per engine (``DeviceMemory``): a turn is admitted only if its bound fits in
+``device_budget_bytes`` with what the other sessions hold, after parking idle sessions if needed;
+otherwise it is refused with ``device_memory_exhausted`` and the session is unchanged.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+from app.engine.batcher import Batcher
 from app.engine.chat_format import ChatFormat
 from app.engine.detokenizer import Detokenizer
 from app.engine.errors import (
     ContextLengthExceeded,
+    DeviceMemoryExhausted,
     EmptyMessage,
+    MaxTokensTooLarge,
     MessageTooLarge,
     SessionBusy,
     SessionNotFound,
     UnknownMode,
 )
 from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
+from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
 from app.engine.persistence import persist_session, restore_session
 from app.engine.sampling import SamplingParams, make_generator, sample
@@ -54,8 +63,10 @@ class Engine:
             RedisTier(settings.redis_url, settings.redis_namespace, settings.redis_ttl_s) if settings.redis_url else None
         )
         self.host_tier = HostTier(settings.host_tier_bytes, self.redis)
-        # One worker: model steps of all sessions run one at a time, interleaved step by step.
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rkv-model")
+        self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec)
+        self.parking = True  # make room for a turn by parking idle sessions (else refuse it)
+        # One model thread: the model steps of all sessions run there, batched (app/engine/batcher.py).
+        self.batcher = Batcher(self.runner, on_step=self._after_step, threads=settings.threads)
 
     # --- sessions ----------------------------------------------------------------------------
     def create_session(
@@ -88,32 +99,36 @@ class Engine:
         )
         return make_cache(mode, self.runner.spec, rocket, tiers=tiers)
 
-    def get_session(self, session_id: str) -> Session:
-        """A session of this engine, or one restored from Redis (another process may have written it)."""
+    def get_session(self, session_id: str, owner: str | None = None) -> Session:
+        """A session of this engine, or one restored from Redis (another process may have written it).
+
+        Only for its owner: a session filed under another owner is as missing as an unknown id.
+        """
         if not isinstance(session_id, str) or not session_id:
             raise SessionNotFound(f"no session {session_id!r}")
         session = self.sessions.get(session_id)
         if session is None and self.redis is not None:
             session = restore_session(self, session_id)
-            if session is not None:
+            if session is not None and session.owner == owner:
                 self.sessions[session_id] = session
-        if session is None:
+        if session is None or session.owner != owner:
             raise SessionNotFound(f"no session {session_id!r}")
         return session
 
-    def delete_session(self, session_id: str) -> None:
-        session = self.get_session(session_id)
+    def delete_session(self, session_id: str, owner: str | None = None) -> None:
+        session = self.get_session(session_id, owner)
         if session.busy:
             raise SessionBusy("the session is generating; cancel it first")
         del self.sessions[session_id]
+        self.memory_account.forget(session_id)
         if session.cache is not None:
             session.cache.release()
         if self.redis is not None:
             self.redis.delete_session(session_id)
 
-    def cancel(self, session_id: str) -> bool:
+    def cancel(self, session_id: str, owner: str | None = None) -> bool:
         """Ask a generating session to stop after the current step; False if it was idle."""
-        session = self.get_session(session_id)
+        session = self.get_session(session_id, owner)
         if session.busy:
             session.cancel_requested = True
         return session.busy
@@ -135,7 +150,7 @@ class Engine:
         if len(content.encode("utf-8", "surrogatepass")) > self.settings.max_message_bytes:
             raise MessageTooLarge(f"the message is over {self.settings.max_message_bytes} bytes")
         if params.max_tokens is not None and params.max_tokens > self.settings.max_tokens_limit:
-            raise MessageTooLarge(f"max_tokens is over the limit of {self.settings.max_tokens_limit}")
+            raise MaxTokensTooLarge(f"max_tokens is over the limit of {self.settings.max_tokens_limit}")
         new_ids = self._turn_ids(session, content)
         total = len(session.token_ids) + len(new_ids)
         if total + 1 > self.max_context:
@@ -146,24 +161,101 @@ class Engine:
         return new_ids
 
     async def _step(self, fn: Callable[[], T]) -> T:
-        """Run one model step on the model thread; a cancelled caller still waits for the step to end."""
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        """Run ``fn`` on the model thread, between batched steps; a cancelled caller still waits for it."""
+        return await self.batcher.run(fn)
+
+    # --- device memory -----------------------------------------------------------------------
+    def _admit(self, session: Session, n_new: int, max_new: int) -> None:
+        """Reserve device memory for a turn, parking idle sessions if needed, or refuse it."""
+        mem = self.memory_account
+        need = mem.turn_bound(session, n_new, max_new)
+        if mem.budget:
+            committed = mem.committed(self.sessions, exclude=session.id)
+            victims: list[Session] = []
+            if committed + need > mem.budget and self.parking:
+                idle = sorted(
+                    (s for s in self.sessions.values()
+                     if s is not session and not s.busy and s.cache is not None and mem.held.get(s.id, 0) > 0),
+                    key=lambda s: s.last_used,
+                )
+                freed = 0
+                for victim in idle:
+                    if committed - freed + need <= mem.budget:
+                        break
+                    victims.append(victim)
+                    freed += mem.held.get(victim.id, 0)
+                committed -= freed
+            if committed + need > mem.budget:
+                mem.refusals += 1
+                raise DeviceMemoryExhausted(
+                    f"this turn needs up to {need} bytes of device memory and {committed} of the replica's "
+                    f"{mem.budget} are held by sessions that cannot be parked now; retry later or send less"
+                )
+            for victim in victims:
+                self._park(victim)
+        mem.reserved[session.id] = need
+
+    def _park(self, session: Session) -> None:
+        """Take an idle session's cache off the device; its next turn restores it (or re-prefills)."""
+        cache, session.cache = session.cache, None
+        session.parked_kv = None
+        self.memory_account.set_held(session.id, 0)
+        self.memory_account.parks += 1
+        self.batcher.submit(lambda: self._park_job(session, cache))
+
+    def _park_job(self, session: Session, cache: SessionCache) -> None:
+        """Model thread: write the parked cache's KV to Redis where its mode can; else free its tiers."""
+        state = None
         try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
+            state = cache.persist() if self.redis is not None else None
+        except Exception:  # noqa: BLE001 - parking falls back to a re-prefill
+            log.warning("session %s: could not persist its KV for parking", session.id, exc_info=True)
+        if state is None:
+            cache.release()
+        if session.cache is None:
+            session.parked_kv = state
+        log.info("parked session %s (%s)", session.id, "KV in Redis" if state else "re-prefill at its next turn")
+
+    def _materialize(self, session: Session) -> None:
+        """Model thread: give a session without a cache one, restored from its parked record if any."""
+        if session.cache is not None:
+            return
+        cache = self.new_cache(session.mode, session.rocket, session.id)
+        state, session.parked_kv = session.parked_kv, None
+        if state is not None and not cache.restore(state):
+            log.warning("session %s: stored KV incomplete; the history will be re-prefilled", session.id)
+            cache = self.new_cache(session.mode, session.rocket, session.id)
+        session.cache = cache
+        self.memory_account.set_held(session.id, cache.device_bytes())
+
+    def _after_step(self, session_ids: list[str]) -> None:
+        """Model thread, after every batched step: measure the caches that changed, and the total."""
+        mem = self.memory_account
+        for sid in session_ids:
+            session = self.sessions.get(sid)
+            if session is not None and session.cache is not None:
+                mem.set_held(sid, session.cache.device_bytes())
+        mem.observe(list(self.sessions))
+
+    def stats(self) -> dict:
+        """Device memory (budget, held, peak, parks, refusals) and batching figures of this engine."""
+        self.memory_account.observe(list(self.sessions))
+        batching = {f"batch_{k}": v for k, v in self.batcher.stats.as_dict().items()}
+        return {**self.memory_account.stats(), **batching}
 
     async def chat(
-        self, session_id: str, content: str, params: SamplingParams | None = None
+        self, session_id: str, content: str, params: SamplingParams | None = None, owner: str | None = None
     ) -> AsyncIterator[TextDelta | TurnDone]:
         """Validate and start a turn; returns the async iterator of its events."""
-        session = self.get_session(session_id)
+        session = self.get_session(session_id, owner)
         params = params or SamplingParams()
         new_ids = self._validate(session, content, params)
+        prompt_tokens = len(session.token_ids) + len(new_ids)
+        max_new = min(params.max_tokens or self.settings.max_new_tokens, self.max_context - prompt_tokens)
+        self._admit(session, len(new_ids), max_new)
         session.busy = True
         session.cancel_requested = False
-        return self._run_turn(session, content, new_ids, params)
+        return self._run_turn(session, content, new_ids, params, max_new)
 
     async def complete(self, session_id: str, content: str, params: SamplingParams | None = None) -> TurnDone:
         """Run a whole turn and return its ``TurnDone``."""
@@ -174,50 +266,51 @@ class Engine:
         return done
 
     async def _run_turn(
-        self, session: Session, content: str, new_ids: list[int], params: SamplingParams
+        self, session: Session, content: str, new_ids: list[int], params: SamplingParams, max_new: int
     ) -> AsyncIterator[TextDelta | TurnDone]:
         t0 = time.perf_counter()
         session.messages.append({"role": "user", "content": content})
         session.token_ids.extend(new_ids)
-        if session.cache is None:  # a failed step or a metadata-only restore: rebuild from the token ids
-            session.cache = self.new_cache(session.mode, session.rocket, session.id)
-        cache = session.cache
-        prompt_tokens = len(session.token_ids)
-        max_new = min(params.max_tokens or self.settings.max_new_tokens, self.max_context - prompt_tokens)
-        prefill_ids = session.token_ids[cache.history_len :]
-        stats = TurnStats(prompt_tokens=prompt_tokens, prefilled_tokens=len(prefill_ids))
+        stats = TurnStats(prompt_tokens=len(session.token_ids), prefilled_tokens=0)
         detok = Detokenizer(self.tokenizer, params.stop)
         generator = make_generator(params, self.runner.device)
         finish = "length"
         generated: list[int] = []
         try:
-            logits = await self._step(lambda: self.runner.forward(prefill_ids, cache, prefill=True, max_new=max_new))
+            if session.cache is None:  # parked, restored from Redis, or after a failed step
+                await self._step(lambda: self._materialize(session))
+            cache = session.cache
+            prefill_ids = session.token_ids[cache.history_len :]
+            stats.prefilled_tokens = len(prefill_ids)
+            logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new)
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
-            while True:
-                token = sample(logits, params, generator)
-                generated.append(token)
-                session.token_ids.append(token)
-                if token in self.chat_format.eos_ids:
-                    finish = "stop"
-                    break
-                delta = detok.add(token)
-                if delta:
-                    yield TextDelta(delta)
-                if detok.stopped:
-                    finish = "stop"
-                    break
-                if len(generated) >= max_new or len(session.token_ids) >= self.max_context:
-                    break
-                if session.cancel_requested:
-                    finish = "cancelled"
-                    break
-                logits = await self._step(lambda: self.runner.forward([token], cache, prefill=False))
+            with self.batcher.decoding():
+                while True:
+                    token = sample(logits, params, generator)
+                    generated.append(token)
+                    session.token_ids.append(token)
+                    if token in self.chat_format.eos_ids:
+                        finish = "stop"
+                        break
+                    delta = detok.add(token)
+                    if delta:
+                        yield TextDelta(delta)
+                    if detok.stopped:
+                        finish = "stop"
+                        break
+                    if len(generated) >= max_new or len(session.token_ids) >= self.max_context:
+                        break
+                    if session.cancel_requested:
+                        finish = "cancelled"
+                        break
+                    logits = await self.batcher.decode(session.id, cache, token)
         except (GeneratorExit, asyncio.CancelledError):
             finish = "cancelled"
             raise
         except Exception:
             log.exception("turn failed in session %s; its cache will be rebuilt", session.id)
             session.cache = None
+            self.memory_account.set_held(session.id, 0)
             finish = "error"
             raise
         finally:
@@ -251,6 +344,8 @@ class Engine:
             stats.device_bytes = session.cache.device_bytes()
             stats.kept_tokens = session.cache.kept_tokens()
             stats.readmitted_tokens = session.cache.readmitted_tokens()
+            self.memory_account.set_held(session.id, stats.device_bytes)
+        self.memory_account.reserved.pop(session.id, None)
         session.turns.append(stats)
         session.busy = False
         session.cancel_requested = False
@@ -279,7 +374,7 @@ class Engine:
         )
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.batcher.close()
         if self.redis is not None:
             self.redis.close()
 

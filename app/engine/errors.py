@@ -22,6 +22,10 @@ class MessageTooLarge(InvalidRequest):
     code = "message_too_large"
 
 
+class MaxTokensTooLarge(MessageTooLarge):
+    code = "max_tokens_too_large"
+
+
 class InvalidSamplingParams(InvalidRequest):
     code = "invalid_sampling_params"
 
@@ -32,6 +36,12 @@ class UnknownMode(InvalidRequest):
 
 class ContextLengthExceeded(EngineError):
     code = "context_length_exceeded"
+
+
+class DeviceMemoryExhausted(EngineError):
+    """The replica's device budget cannot hold this turn, even after parking idle sessions."""
+
+    code = "device_memory_exhausted"
 
 
 class SessionNotFound(EngineError):

@@ -1,10 +1,24 @@
-"""Runs the transformers model over a session cache: one forward per prefill or decode step."""
+"""Runs the transformers model over session caches: ``forward`` feeds one session, ``step`` feeds
+several in one forward (their tokens packed into one sequence, see ``rocketkv_mt.cache.batch``)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from app.model_loader import LoadedModel
 from rocketkv_mt.cache import CacheSpec, SessionCache
+from rocketkv_mt.cache.batch import BatchCache
+
+
+@dataclass
+class Segment:
+    """What one session feeds in a batched step."""
+
+    cache: SessionCache
+    ids: list[int]
+    prefill: bool = False
+    max_new: int = 0
 
 
 class ModelRunner:
@@ -43,3 +57,44 @@ class ModelRunner:
         # Only a completed forward advances the cache; after a failure the engine rebuilds it.
         cache.end_forward()
         return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def step(self, segments: list[Segment]) -> tuple[torch.Tensor, dict[int, BaseException]]:
+        """One forward for several sessions: segment i feeds ``segments[i].ids`` on top of its cache
+        (a turn's prefill, or one decode token), packed into one sequence (``BatchCache``).
+
+        Returns the logits of each segment's last token (S, V) in float32, and the segments whose
+        cache failed ({index: exception}): those caches are left mid-step (discard them), the others
+        have advanced. An exception outside the caches (in the model itself) propagates and leaves
+        every cache of the step mid-step.
+        """
+        errors: dict[int, BaseException] = {}
+        ok = []
+        for i, s in enumerate(segments):
+            try:
+                s.cache.begin_forward(len(s.ids), prefill=s.prefill, max_new=s.max_new)
+                ok.append(i)
+            except Exception as exc:  # noqa: BLE001 - that session fails alone
+                errors[i] = exc
+        if not ok:
+            return torch.zeros(len(segments), self.model.config.vocab_size, device=self.device), errors
+        batch = BatchCache([segments[i].cache for i in ok], [len(segments[i].ids) for i in ok])
+        ids = [t for i in ok for t in segments[i].ids]
+        out = self.model(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+            position_ids=batch.positions(),
+            rkv_cache=batch,
+            use_cache=False,
+            logits_to_keep=batch.last_indices(self.device),
+        )
+        for j, i in enumerate(ok):
+            if j in batch.errors:
+                errors[i] = batch.errors[j]
+            else:
+                segments[i].cache.end_forward()
+        rows = out.logits[0].float()
+        if len(ok) == len(segments):
+            return rows, errors
+        logits = rows.new_zeros(len(segments), rows.shape[-1])
+        logits[ok] = rows
+        return logits, errors

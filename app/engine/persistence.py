@@ -1,8 +1,8 @@
 """Session persistence in Redis: metadata as JSON, tiered KV as raw tensors (never pickle).
 
 A session written here can be resumed by any process that reaches the same Redis: tiered sessions
-come back exactly (primary set and cold chunks); other modes come back with their messages and
-token ids and re-prefill the history on their next turn.
+come back exactly (primary set and cold chunks, loaded at their next turn); other modes come back
+with their messages and token ids and re-prefill the history on their next turn.
 """
 from __future__ import annotations
 
@@ -54,11 +54,8 @@ def restore_session(engine: "Engine", session_id: str) -> Session | None:
         created_at=float(meta.get("created_at", 0.0)),
         owner=meta.get("owner"),
     )
-    kv_state = meta.get("kv")
-    if kv_state is not None:
-        cache = engine.new_cache(session.mode, rocket, session_id)
-        if cache.restore(kv_state):
-            session.cache = cache
-        else:
-            log.warning("session %s: stored KV incomplete; the history will be re-prefilled", session_id)
+    # The KV comes back at the session's next turn, on the model thread and within the device
+    # budget (``Engine`` admits the turn first); a record that cannot be restored then means a
+    # re-prefill of the history.
+    session.parked_kv = meta.get("kv")
     return session

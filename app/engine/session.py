@@ -39,6 +39,9 @@ class Session:
     token_ids: list[int] = field(default_factory=list)
     turns: list[TurnStats] = field(default_factory=list)
     owner: str | None = None  # who may use the session (an API key's id); None: anyone with the id
+    # A parked session (its cache dropped from the device to make room): the record its cache's
+    # ``persist()`` wrote, restored at its next turn; None with no cache means re-prefill the history.
+    parked_kv: dict | None = None
     busy: bool = False
     cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)

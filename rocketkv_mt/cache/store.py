@@ -73,11 +73,26 @@ class LayerKV:
         self._v[:, :m] = v
         self._pos[:, :m] = pos
         self.length = m
+        self._shrink()
 
     def replace(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Set the kept tokens to exactly k, v (Hkv, m, d) with positions (Hkv, m)."""
         self.length = 0
         self.append(k, v, positions)
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Give back buffer space far beyond the kept tokens (after an eviction or a re-selection),
+        so that what a compressed cache allocates follows what it keeps."""
+        cap, need = self._k.shape[1], self.length + self.SLACK
+        if cap <= 2 * need or cap - need < self.chunk:
+            return
+        new_cap = -(-(need + self.chunk // 2) // self.chunk) * self.chunk
+        for name in ("_k", "_v", "_pos"):
+            old = getattr(self, name)
+            buf = old.new_zeros(old.shape[0], new_cap, *old.shape[2:])
+            buf[:, : self.length] = old[:, : self.length]
+            setattr(self, name, buf)
 
     def nbytes(self) -> int:
         """Bytes of the kept keys and values (what the session needs, not the spare capacity)."""

@@ -1,0 +1,104 @@
+"""Device-memory budget per replica: turns are admitted within it, idle sessions are parked off the
+device to make room (and come back with the same replies), turns that cannot fit are refused."""
+import copy
+import secrets
+
+import pytest
+
+from app.engine.errors import DeviceMemoryExhausted
+from app.engine.sampling import SamplingParams
+from bench.common import fit_words
+from bench.haystack import filler_text
+
+pytestmark = pytest.mark.slow
+REDIS_URL = "redis://127.0.0.1:6379/0"
+PARAMS = SamplingParams(max_tokens=8)
+
+
+def message(engine, seed: int, words: int = 260) -> str:
+    return fit_words(engine.tokenizer, filler_text(words, seed=seed), words) + "\n\nWhat is this about?"
+
+
+def bound_of_first_turn(engine, mode: str, text: str) -> int:
+    probe = engine.create_session(mode=mode, budget=64)
+    n = len(engine._turn_ids(probe, text))
+    bound = engine.memory_account.turn_bound(probe, n, PARAMS.max_tokens)
+    del engine.sessions[probe.id]
+    return bound
+
+
+def assert_within_budget(engine):
+    stats = engine.stats()
+    assert 0 < stats["peak_device_bytes"] <= stats["device_budget_bytes"]
+    assert stats["device_reservation_overruns"] == 0
+
+
+async def test_parking_keeps_the_budget_and_parked_sessions_continue_the_same(make_engine):
+    ref = make_engine(mode="full")
+    texts = {name: message(ref, seed) for seed, name in enumerate("abc")}
+    budget = int(2.5 * bound_of_first_turn(ref, "full", texts["a"]))  # room for two such sessions, not three
+    engine = make_engine(mode="full", device_budget_bytes=budget)
+    ours = {name: engine.create_session(budget=64) for name in "abc"}
+    theirs = {name: ref.create_session(budget=64) for name in "abc"}
+    for name in "abc":
+        await engine.complete(ours[name].id, texts[name], PARAMS)
+        await ref.complete(theirs[name].id, texts[name], PARAMS)
+    assert engine.memory_account.parks == 1 and ours["a"].cache is None  # the least recently used
+    assert ours["b"].cache is not None and ours["c"].cache is not None
+    done = await engine.complete(ours["a"].id, "And in one word?", PARAMS)
+    expected = await ref.complete(theirs["a"].id, "And in one word?", PARAMS)
+    assert done.text == expected.text
+    assert done.usage.prefilled_tokens == done.usage.prompt_tokens  # full mode: re-prefilled after parking
+    assert engine.memory_account.parks == 2 and ours["b"].cache is None
+    assert_within_budget(engine)
+
+
+async def test_turn_that_cannot_fit_is_refused_and_the_session_is_unchanged(make_engine):
+    probe = make_engine(mode="full")
+    text = message(probe, 1)
+    bound = bound_of_first_turn(probe, "full", text)
+    engine = make_engine(mode="full", device_budget_bytes=int(1.5 * bound))
+    first = engine.create_session()
+    await engine.complete(first.id, text, PARAMS)
+    # Too big for the budget on its own: refused, whatever could be parked.
+    big = engine.create_session()
+    before = (copy.deepcopy(big.messages), list(big.token_ids), big.busy)
+    with pytest.raises(DeviceMemoryExhausted) as err:
+        await engine.chat(big.id, message(engine, 2, words=900), PARAMS)
+    assert err.value.code == "device_memory_exhausted"
+    assert (big.messages, big.token_ids, big.busy) == before
+    assert first.cache is not None  # nothing was parked for a turn that could not fit anyway
+    # Fits only by parking, and parking is off: refused; on: admitted.
+    engine.parking = False
+    second = engine.create_session()
+    with pytest.raises(DeviceMemoryExhausted):
+        await engine.chat(second.id, message(engine, 3), PARAMS)
+    engine.parking = True
+    done = await engine.complete(second.id, message(engine, 3), PARAMS)
+    assert done.usage.generated_tokens > 0 and first.cache is None
+    assert engine.memory_account.refusals == 2
+    assert_within_budget(engine)
+
+
+async def test_parked_tiered_session_comes_back_from_redis_without_reprefill(make_engine):
+    namespace = f"rkvtest-{secrets.token_hex(3)}"
+    ref = make_engine(mode="tiered")
+    text_a, text_b = message(ref, 4, words=500), message(ref, 5, words=500)
+    budget = int(1.5 * bound_of_first_turn(ref, "tiered", text_a))
+    engine = make_engine(mode="tiered", device_budget_bytes=budget, redis_url=REDIS_URL, redis_namespace=namespace)
+    a, b = engine.create_session(budget=64), engine.create_session(budget=64)
+    ra = ref.create_session(budget=64)
+    try:
+        await engine.complete(a.id, text_a, PARAMS)
+        await ref.complete(ra.id, text_a, PARAMS)
+        await engine.complete(b.id, text_b, PARAMS)
+        assert a.cache is None and engine.memory_account.parks == 1
+        done = await engine.complete(a.id, "Say that again.", PARAMS)
+        expected = await ref.complete(ra.id, "Say that again.", PARAMS)
+        assert done.text == expected.text
+        assert done.usage.prefilled_tokens == expected.usage.prefilled_tokens < 40  # restored, not re-prefilled
+        assert b.cache is None and engine.memory_account.parks == 2
+        assert_within_budget(engine)
+    finally:
+        for s in (a, b):
+            engine.delete_session(s.id)
