@@ -155,7 +155,7 @@ class RayBackend(Backend):
                 return
             except RETRYABLE as exc:
                 if committed or time.monotonic() + delay > deadline:
-                    log.warning("replica lost during a turn of %s: %s", sid, exc)
+                    log.warning("replica lost during a turn of %s (text sent: %s): %s", sid, committed, exc)
                     yield error_event(
                         "replica_unavailable", "the replica serving this session stopped; send the message again"
                     )
