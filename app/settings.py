@@ -76,8 +76,11 @@ class Settings(BaseSettings):
         "if it fits with what the other sessions hold, after parking least recently used idle sessions "
         "off the device; otherwise it is refused with `device_memory_exhausted`.",
     )
-    kernels: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="'auto' uses Triton kernels for CUDA tensors and torch references otherwise."
+    kernels: Literal["auto", "torch", "triton", "native"] = Field(
+        "auto",
+        description="'auto' uses Triton kernels for CUDA tensors and, on CPU, the native C kernel for HSA's "
+        "decode step (built on first use with the machine's C compiler; torch where none is found); "
+        "'native' requires that kernel; 'torch' uses the torch references everywhere.",
     )
 
 

@@ -1,9 +1,11 @@
-"""Pick the Triton kernel or the torch reference for each hot path, per call.
+"""Pick the Triton kernel, the native CPU kernel or the torch reference for each hot path, per call.
 
-Every function takes ``backend``: "auto" (Triton for CUDA tensors when triton is installed, torch
-otherwise), "triton" (always the kernel; on CPU tensors only when TRITON_INTERPRET=1 was set before the
-kernels were first imported) or "torch" (always the reference). The choice is an argument, not module
-state, so two engines with different settings can share a process (the app passes its ``kernels`` setting).
+Every function takes ``backend``: "auto" (Triton for CUDA tensors when triton is installed; for HSA's
+decode step on float32 CPU tensors, the native C kernel when it builds here; torch otherwise),
+"triton" (always the kernel; on CPU tensors only when TRITON_INTERPRET=1 was set before the kernels
+were first imported), "native" (HSA decode on the C kernel, torch for the other paths) or "torch"
+(always the reference). The choice is an argument, not module state, so two engines with different
+settings can share a process (the app passes its ``kernels`` setting).
 """
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ import torch
 
 from . import hsa, stage1
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "native")
 
 
 def uses_triton(backend: str, tensor: torch.Tensor) -> bool:
-    if backend == "torch":
+    if backend in ("torch", "native"):
         return False
     if backend == "triton":
         return True
@@ -120,3 +122,33 @@ def hsa_attention(
         local_window=local_window,
         pinned=pinned,
     )
+
+
+def hsa_decode(
+    q: torch.Tensor,
+    key_buf: torch.Tensor,
+    value_buf: torch.Tensor,
+    length: int,
+    bounds: torch.Tensor,
+    page_size: int,
+    topr: int,
+    topk: int,
+    scaling: float,
+    *,
+    local_window: int = 0,
+    pinned: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """HSA's CPU decode step, q (Hkv, G, d) -> (Hkv, G, d): see ``hsa.hsa_decode`` for the arguments.
+
+    Runs the native C kernel where ``backend`` allows it and it can take the tensors, else the torch path.
+    """
+    args = (q, key_buf, value_buf, length, bounds, page_size, topr, topk, scaling, local_window, pinned)
+    if backend in ("auto", "native"):
+        from .native import hsa as native_hsa
+
+        if native_hsa.supports(q):
+            return native_hsa.hsa_decode(*args)
+        if backend == "native":
+            raise RuntimeError("the native HSA kernel needs float32 CPU tensors and a C compiler on this machine")
+    return hsa.hsa_decode(*args)

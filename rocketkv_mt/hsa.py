@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 
 def select_channels(q: torch.Tensor, topr: int) -> torch.Tensor:
@@ -149,31 +148,37 @@ def hsa_decode(
     """``hsa_attention`` with as few torch ops as possible: the CPU production path.
 
     q (Hkv, G, d); key_buf/value_buf (Hkv, C, d) contiguous buffers whose first ``length`` tokens
-    are the kept ones and C >= pages * page_size; bounds (Hkv, 2d, P) = [max ; min] per page.
-    Returns (Hkv, G, d). The top-r channels become a mask on q (the r-th largest group |q| is the
-    threshold), so max and min are scored together by one matmul; selected pages are read straight
-    from the buffers by row index.
+    are the kept ones and C >= pages * page_size; bounds (Hkv, 2d, P) = [max ; min] per page, rows
+    of P contiguous values. Returns (Hkv, G, d).
+
+    Each kept channel needs one bound row only (the max where the group's q is positive, else the
+    min), so those r rows are copied out whole and scored by one (G, r) x (r, P) matmul per head;
+    the selected pages' tokens are read straight from the buffers by row index.
     """
     hkv, g, d = q.shape
     pages = bounds.shape[2]
+    r = min(topr, d)
     mag = q.abs()
-    group_mag = mag.sum(1, keepdim=True)  # (Hkv, 1, d)
-    threshold = torch.kthvalue(group_mag, d - min(topr, d) + 1, dim=-1, keepdim=True).values
-    q_hat = torch.where(group_mag >= threshold, q, 0.0)
-    q_pos = torch.where(q.sum(1, keepdim=True) > 0, q_hat, 0.0)
+    channels = torch.topk(mag.sum(1), r, dim=-1, sorted=False).indices  # (Hkv, r)
+    positive = torch.gather(q.sum(1), 1, channels) > 0
+    head_rows = torch.arange(0, hkv * 2 * d, 2 * d, device=q.device).unsqueeze(1)
+    rows = (channels + head_rows + torch.where(positive, 0, d)).view(-1)
+    bound = bounds.flatten(0, 1).index_select(0, rows).view(hkv, r, pages)
+    q_hat = torch.gather(q, 2, channels.unsqueeze(1).expand(-1, g, -1))  # (Hkv, G, r)
     inv_scale = torch.rsqrt(d * q_hat.abs().sum(-1, keepdim=True) / mag.sum(-1, keepdim=True).clamp_min(1e-30))
-    logits = torch.bmm(torch.cat([q_pos, q_hat - q_pos], dim=-1) * inv_scale, bounds)
+    logits = torch.bmm(q_hat * inv_scale, bound)
     # Summing the group's softmaxes ranks pages exactly as averaging them does.
     scores = torch.softmax(logits.float(), dim=-1).sum(1)
     forced = pin(scores, local_pages(length, page_size, local_window), pinned)
     k_pages = min(max(math.ceil(topk / page_size), forced), pages)
     chosen = torch.topk(scores, k_pages, dim=-1, sorted=False).indices
+    cap = key_buf.shape[1]
     offs = torch.arange(page_size, device=q.device)
     tokens = (chosen.unsqueeze(-1) * page_size + offs).view(hkv, k_pages * page_size)
-    cap = key_buf.shape[1]
-    rows = (tokens + (torch.arange(hkv, device=q.device) * cap).unsqueeze(1)).view(-1)
-    k_sel = key_buf.view(hkv * cap, d).index_select(0, rows).view(hkv, 1, -1, d)
-    v_sel = value_buf.view(hkv * cap, d).index_select(0, rows).view(hkv, 1, -1, d)
-    mask = (tokens < length).view(hkv, 1, 1, -1) if length % page_size else None
-    out = F.scaled_dot_product_attention(q.unsqueeze(1), k_sel, v_sel, attn_mask=mask, scale=scaling)
-    return out[:, 0]
+    token_rows = (tokens + (head_rows // (2 * d)) * cap).view(-1)
+    k_sel = key_buf.view(hkv * cap, d).index_select(0, token_rows).view(hkv, -1, d)
+    v_sel = value_buf.view(hkv * cap, d).index_select(0, token_rows).view(hkv, -1, d)
+    att = torch.bmm(q, k_sel.transpose(1, 2)) * scaling  # (Hkv, G, T)
+    if length % page_size:
+        att.masked_fill_((tokens >= length).unsqueeze(1), float("-inf"))
+    return torch.bmm(torch.softmax(att, dim=-1), v_sel)

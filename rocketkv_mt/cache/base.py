@@ -21,7 +21,7 @@ class CacheSpec:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    kernels: str = "auto"  # "auto": Triton kernels for CUDA tensors, torch otherwise; "torch"; "triton"
+    kernels: str = "auto"  # a ``rocketkv_mt.dispatch`` backend: "auto", "torch", "triton" or "native"
 
 
 @dataclass

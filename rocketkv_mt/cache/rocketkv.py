@@ -10,7 +10,6 @@ from rocketkv_mt.anchors import anchor_pages
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.snapkv import SnapKVCache
 from rocketkv_mt.cache.store import LayerKV
-from rocketkv_mt.hsa import hsa_decode
 from rocketkv_mt.kt_cache import KTCache
 
 
@@ -71,18 +70,10 @@ class RocketKVCache(SnapKVCache):
             )
             return out.reshape(q.shape)
         key_buf, value_buf = store.buffers
-        out = hsa_decode(
-            q.reshape(hkv, -1, q.shape[-1]),
-            key_buf,
-            value_buf,
-            store.length,
-            kt.bounds,
-            split.page_size,
-            split.topr,
-            split.topk,
-            scaling,
-            split.local_window,
-            self.anchors[layer],
+        out = dispatch.hsa_decode(
+            q.reshape(hkv, -1, q.shape[-1]), key_buf, value_buf, store.length, kt.bounds,
+            split.page_size, split.topr, split.topk, scaling,
+            local_window=split.local_window, pinned=self.anchors[layer], backend=self.spec.kernels,
         )
         return out.reshape(q.shape)
 

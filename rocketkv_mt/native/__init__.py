@@ -1,0 +1,78 @@
+"""Native CPU kernels: plain C compiled on first use with the machine's C compiler, called through ctypes.
+
+On a CPU, HSA's decode step is about forty tiny torch ops whose dispatch costs several times their
+arithmetic; ``hsa_decode.c`` does the same computation in one call. The shared library is built for
+this machine (``-march=native``) into the cache directory, under a name that hashes the source, the
+flags and the CPU, so a copy built on another machine is never loaded. Where no compiler is found
+the loader returns None and callers keep the torch path (``rocketkv_mt.hsa.hsa_decode``).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("hsa_decode.c")
+# Fast math at compile time only (it vectorises expf): linking with it would switch the whole process
+# to flush-to-zero on some toolchains. The kernel never relies on inf or NaN.
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-ffast-math")
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    return platform.machine() + flags
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "rocketkv-mt")
+    return Path(root) / "native"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built in a private directory and renamed into place: replicas starting together never load half a file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "hsa.o", Path(tmp) / target.name
+        subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True)
+        subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), "-lm"], check=True, capture_output=True)
+        os.replace(lib, target)
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built if needed; None when it cannot be built here (logged once)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        log.warning("no C compiler found: HSA decode uses the torch path on CPU")
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + repr(COMPILE_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"rkv_hsa_{key}.so"
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning("native HSA kernel unavailable (%s %s): using the torch path", exc, detail.decode(errors="replace")[:500])
+        return None
+    fn = lib.rkv_hsa_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 13 + [ctypes.c_float]
+    return lib
+
+
+def available() -> bool:
+    return library() is not None

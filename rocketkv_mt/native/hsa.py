@@ -1,0 +1,54 @@
+"""``hsa_decode`` on the native CPU kernel: the signature and result of ``rocketkv_mt.hsa.hsa_decode``."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rocketkv_mt.hsa import local_pages
+from rocketkv_mt.native import library
+
+
+def supports(q: torch.Tensor) -> bool:
+    """True when the kernel can take this call: float32 CPU tensors and a library built here."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and library() is not None
+
+
+def hsa_decode(
+    q: torch.Tensor,
+    key_buf: torch.Tensor,
+    value_buf: torch.Tensor,
+    length: int,
+    bounds: torch.Tensor,
+    page_size: int,
+    topr: int,
+    topk: int,
+    scaling: float,
+    local_window: int = 0,
+    pinned: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q (Hkv, G, d); key_buf/value_buf (Hkv, C, d) contiguous; bounds (Hkv, 2d, P) with unit stride
+    along P -> (Hkv, G, d). See ``rocketkv_mt.hsa.hsa_decode``; pass ``supports(q)`` first."""
+    hkv, g, d = q.shape
+    pages = bounds.shape[2]
+    if not (key_buf.is_contiguous() and value_buf.is_contiguous() and bounds.stride(2) == 1):
+        raise ValueError("hsa_decode needs contiguous key/value buffers and bounds with unit stride along pages")
+    if bounds.stride(0) != bounds.shape[1] * bounds.stride(1):
+        raise ValueError("bounds rows must be evenly strided across heads")
+    n_local = local_pages(length, page_size, local_window)
+    n_pinned = 0 if pinned is None else pinned.shape[1]
+    if pinned is not None:
+        pinned = pinned.to(torch.int64).contiguous()
+    # As the torch path: the forced pages count within topk, unless they alone exceed it.
+    k_pages = min(max(math.ceil(topk / page_size), n_local + n_pinned), pages)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    rc = library().rkv_hsa_decode(
+        q.data_ptr(), key_buf.data_ptr(), value_buf.data_ptr(), bounds.data_ptr(),
+        None if pinned is None else pinned.data_ptr(), out.data_ptr(),
+        hkv, g, d, key_buf.shape[1], length, pages, bounds.stride(0), bounds.stride(1),
+        page_size, topr, k_pages, n_local, n_pinned, scaling,
+    )
+    if rc != 0:
+        raise MemoryError("native hsa_decode could not allocate its scratch memory")
+    return out

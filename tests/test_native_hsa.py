@@ -1,0 +1,83 @@
+"""The native CPU HSA kernel against the torch path and the reference it is held to."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from rocketkv_mt import dispatch
+from rocketkv_mt.cache.store import LayerKV
+from rocketkv_mt.hsa import hsa_attention, hsa_decode
+from rocketkv_mt.kt_cache import KTCache
+
+native = pytest.importorskip("rocketkv_mt.native.hsa")
+
+
+def _built() -> bool:
+    # Where a C compiler exists the kernel must build: a failed build is a bug, not a skip.
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert native.supports(torch.zeros(1)), "a C compiler is present but the native kernel did not build"
+        return True
+    return False
+
+
+pytestmark = pytest.mark.skipif(not _built(), reason="no C compiler on this machine")
+
+
+def _layer(hkv, d, length, page, decoded=5, seed=0):
+    torch.manual_seed(seed)
+    store = LayerKV(hkv, d, torch.float32, torch.device("cpu"))
+    keys, values = torch.randn(hkv, length, d), torch.randn(hkv, length, d)
+    store.append(keys[:, : length - decoded], values[:, : length - decoded], torch.arange(length - decoded))
+    kt = KTCache(store.keys, page)
+    for t in range(length - decoded, length):  # decode appends: the last page may be partial
+        store.append(keys[:, t:t + 1], values[:, t:t + 1], torch.tensor([t]))
+        kt.append(keys[:, t])
+    return store, kt, keys, values
+
+
+@pytest.mark.parametrize(
+    "hkv,group,d,page,length,topr,topk,local",
+    [(3, 1, 32, 1, 40, 8, 24, 0), (3, 3, 64, 3, 1442, 34, 128, 32), (2, 4, 32, 4, 98, 8, 24, 11),
+     (3, 3, 32, 5, 131, 8, 24, 0), (1, 3, 64, 3, 600, 64, 90, 32), (3, 3, 32, 3, 20, 8, 300, 4)],
+)
+def test_native_equals_torch_path_and_reference(hkv, group, d, page, length, topr, topk, local):
+    store, kt, keys, values = _layer(hkv, d, length, page, seed=length)
+    q = torch.randn(hkv, group, d)
+    kb, vb = store.buffers
+    args = (q, kb, vb, length, kt.bounds, page, topr, topk, d ** -0.5, local)
+    got = native.hsa_decode(*args)
+    assert torch.allclose(got, hsa_decode(*args), atol=1e-5)
+    ref = hsa_attention(q, keys, values, kt.kmin, kt.kmax, page, topr, topk, d ** -0.5, local_window=local)
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_native_attends_pinned_pages():
+    store, kt, keys, values = _layer(3, 32, 120, 3, decoded=0, seed=5)
+    q = torch.randn(3, 3, 32)
+    pinned = torch.tensor([[0, 7], [3, 30], [1, 2]])
+    kb, vb = store.buffers
+    got = native.hsa_decode(q, kb, vb, 120, kt.bounds, 3, 8, 24, 32 ** -0.5, 4, pinned)
+    ref = hsa_attention(q, keys, values, kt.kmin, kt.kmax, 3, 8, 24, 32 ** -0.5, local_window=4, pinned=pinned)
+    plain = hsa_attention(q, keys, values, kt.kmin, kt.kmax, 3, 8, 24, 32 ** -0.5, local_window=4)
+    assert torch.allclose(got, ref, atol=1e-5)
+    assert not torch.allclose(got, plain, atol=1e-5)
+
+
+def test_dispatch_routes_by_backend():
+    store, kt, _, _ = _layer(3, 32, 90, 3)
+    q = torch.randn(3, 3, 32)
+    kb, vb = store.buffers
+    args = (q, kb, vb, 90, kt.bounds, 3, 8, 24, 32 ** -0.5)
+    for backend in ("auto", "native", "torch"):
+        assert torch.allclose(dispatch.hsa_decode(*args, backend=backend), hsa_decode(*args), atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32 CPU"):
+        dispatch.hsa_decode(q.double(), kb.double(), vb.double(), 90, kt.bounds.double(), 3, 8, 24, 0.1, backend="native")
+
+
+def test_native_rejects_strided_buffers():
+    store, kt, _, _ = _layer(3, 32, 60, 3)
+    kb, vb = store.buffers
+    with pytest.raises(ValueError, match="contiguous"):
+        native.hsa_decode(torch.randn(3, 3, 32), kb.transpose(0, 1), vb, 60, kt.bounds, 3, 8, 24, 0.2)
