@@ -12,6 +12,11 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 WORKDIR /srv/rocketkv-mt
 
+# A C compiler: HSA's CPU decode step runs a small C kernel, built for the host CPU on first use.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, so that installing the project does not pull another build. For a small CPU image,
 # pass PyTorch's CPU wheel index: --build-arg TORCH_INDEX_URL=<that index>.
 ARG TORCH_INDEX_URL=

@@ -97,8 +97,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_model(args: argparse.Namespace) -> int:
     from app.model_loader import load_model
 
+    from rocketkv_mt import native
+
     loaded = load_model(_settings(args))
     print(f"model ready at {loaded.path} (loaded from {loaded.source})")
+    # Built now rather than on the first decode step; without a C compiler, CPU decode keeps the torch path.
+    print("native CPU kernel: " + ("built" if native.available() else "unavailable (torch path)"))
     return 0
 
 
@@ -129,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("model", help="model management")
-    p.add_argument("action", choices=["prepare"], help="prepare: convert the bundled model once")
+    p.add_argument("action", choices=["prepare"], help="prepare: convert the bundled model once and build the native CPU kernel")
     _add_engine_args(p, sampling=False)
     p.set_defaults(func=cmd_model)
 

@@ -16,7 +16,7 @@ import time
 
 from app.engine.errors import DeviceMemoryExhausted
 from app.engine.sampling import SamplingParams
-from bench.common import fit_words, load_engine, write_json
+from bench.common import fit_words, load_engine, run_async, write_json
 from bench.haystack import filler_text
 
 QUESTION = "\n\nWhat is this text about? Answer in one sentence."
@@ -109,8 +109,4 @@ async def run(args) -> dict:
 
 
 def main(args) -> int:
-    import asyncio
-
-    result = asyncio.run(run(args))
-    write_json(result, args.json_out)
-    return 0
+    return run_async(run, args)

@@ -44,3 +44,11 @@ def write_json(result: dict, path: str | None, quiet: bool = False) -> None:
         Path(path).write_text(text + "\n")
     if not quiet:
         sys.stdout.write(text + "\n")
+
+
+def run_async(run, args) -> int:
+    """Entry point of an async benchmark: ``await run(args)``, then write its result."""
+    import asyncio
+
+    write_json(asyncio.run(run(args)), args.json_out)
+    return 0

@@ -12,11 +12,10 @@ without session state must do on every turn. Measured for the same mode and for 
 """
 from __future__ import annotations
 
-import asyncio
 import statistics
 
 from app.engine.sampling import SamplingParams
-from bench.common import fit_words, load_engine, write_json
+from bench.common import fit_words, load_engine, run_async, write_json
 from bench.haystack import filler_text
 
 EARLIER = ["Which colours are mentioned in it?", "What runs past the old mill?", "Where does the road bend?",
@@ -90,6 +89,4 @@ async def run(args) -> dict:
 
 
 def main(args) -> int:
-    result = asyncio.run(run(args))
-    write_json(result, args.json_out)
-    return 0
+    return run_async(run, args)
