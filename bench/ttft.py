@@ -68,6 +68,7 @@ async def run(args) -> dict:
                 "prefilled_tokens": done.usage.prefilled_tokens,
                 "prompt_tokens": done.usage.prompt_tokens,
                 "device_bytes": done.memory.device_bytes,
+                "reply": done.text,
             },
             "stateless": {},
         }
@@ -79,6 +80,7 @@ async def run(args) -> dict:
                 "ttft_ms": round(d.ttft_ms, 1),
                 "prefilled_tokens": d.usage.prefilled_tokens,
                 "same_reply_as_stateful": d.text == done.text,
+                "reply": d.text,
             }
             write_json(result, args.json_out, quiet=True)
         base = result["stateful"]["ttft_ms"]
