@@ -76,8 +76,22 @@ def test_dispatch_routes_by_backend():
         dispatch.hsa_decode(q.double(), kb.double(), vb.double(), 90, kt.bounds.double(), 3, 8, 24, 0.1, backend="native")
 
 
-def test_native_rejects_strided_buffers():
+def test_native_rejects_what_it_would_read_out_of_bounds():
     store, kt, _, _ = _layer(3, 32, 60, 3)
     kb, vb = store.buffers
+    q = torch.randn(3, 3, 32)
+    args = (q, kb, vb, 60, kt.bounds, 3, 8, 24, 0.2)
+    assert native.hsa_decode(*args).shape == (3, 3, 32)
+    strided = kb.transpose(1, 2).contiguous().transpose(1, 2)
     with pytest.raises(ValueError, match="contiguous"):
-        native.hsa_decode(torch.randn(3, 3, 32), kb.transpose(0, 1), vb, 60, kt.bounds, 3, 8, 24, 0.2)
+        native.hsa_decode(q, strided, vb, 60, kt.bounds, 3, 8, 24, 0.2)
+    with pytest.raises(ValueError, match="cover"):
+        native.hsa_decode(q, kb, vb, 61, kt.bounds, 3, 8, 24, 0.2)  # one token more than the pages hold
+    with pytest.raises(ValueError, match="length"):
+        native.hsa_decode(q, kb, vb, kb.shape[1] + 1, kt.bounds, 3, 8, 24, 0.2)
+    with pytest.raises(ValueError, match="pinned"):
+        native.hsa_decode(*args, 4, torch.tensor([[0], [1], [20]]))  # page 20 of 20 does not exist
+    with pytest.raises(ValueError, match="float32"):
+        native.hsa_decode(q, kb.half(), vb.half(), 60, kt.bounds, 3, 8, 24, 0.2)
+    with pytest.raises(ValueError, match="match"):
+        native.hsa_decode(torch.randn(2, 3, 32), kb, vb, 60, kt.bounds, 3, 8, 24, 0.2)

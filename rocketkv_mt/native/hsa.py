@@ -31,14 +31,26 @@ def hsa_decode(
     along P -> (Hkv, G, d). See ``rocketkv_mt.hsa.hsa_decode``; pass ``supports(q)`` first."""
     hkv, g, d = q.shape
     pages = bounds.shape[2]
+    # The kernel trusts these: a mismatch would read or write outside the buffers, not raise.
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, key_buf, value_buf, bounds)):
+        raise ValueError("the native hsa_decode takes float32 CPU tensors only")
+    if key_buf.shape != value_buf.shape or key_buf.shape[0] != hkv or key_buf.shape[2] != d:
+        raise ValueError(f"key/value buffers {tuple(key_buf.shape)} do not match q {tuple(q.shape)}")
+    if tuple(bounds.shape[:2]) != (hkv, 2 * d) or not 0 < length <= key_buf.shape[1]:
+        raise ValueError(f"bounds {tuple(bounds.shape)} or length {length} do not match the buffers")
+    if pages * page_size < length or (pages - 1) * page_size >= length:
+        raise ValueError(f"{pages} pages of {page_size} do not cover exactly {length} tokens")
     if not (key_buf.is_contiguous() and value_buf.is_contiguous() and bounds.stride(2) == 1):
         raise ValueError("hsa_decode needs contiguous key/value buffers and bounds with unit stride along pages")
     if bounds.stride(0) != bounds.shape[1] * bounds.stride(1):
         raise ValueError("bounds rows must be evenly strided across heads")
     n_local = local_pages(length, page_size, local_window)
-    n_pinned = 0 if pinned is None else pinned.shape[1]
+    n_pinned = 0
     if pinned is not None:
+        if pinned.shape[0] != hkv or (pinned.numel() and not 0 <= int(pinned.min()) <= int(pinned.max()) < pages):
+            raise ValueError(f"pinned pages must be (Hkv, A) indices below {pages}")
         pinned = pinned.to(torch.int64).contiguous()
+        n_pinned = pinned.shape[1]
     # As the torch path: the forced pages count within topk, unless they alone exceed it.
     k_pages = min(max(math.ceil(topk / page_size), n_local + n_pinned), pages)
     q = q.contiguous()
