@@ -157,3 +157,33 @@ async def test_redis_outage_is_reported_not_raised(make_engine):
     assert engine.host_tier.overflow_slots > 0  # kept in host memory rather than lost
     done = await engine.complete(session.id, LATER[0], PARAMS)
     assert done.usage.prefilled_tokens < 40
+
+
+async def test_cold_chunks_lost_with_redis_are_rebuilt_in_the_same_turn(make_engine, tmp_path):
+    from serving_helpers import RedisServer
+
+    with RedisServer(tmp_path) as redis_server:
+        # A host tier of 24 chunks: most of the first turn's cold history spills to this private Redis.
+        engine = make_engine(mode="tiered", token_budget=128, redis_url=redis_server.url,
+                             redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
+                             host_tier_bytes=24 * 3 * 128 * (64 * 2 * 4 + 8), chunk_tokens=128)
+        engine.redis.timeout_s = 0.3
+        session = engine.create_session()
+        try:
+            await engine.complete(session.id, FIRST, PARAMS)
+            assert engine.host_tier.stats.spills > 0
+            history = len(session.token_ids)
+            redis_server.stop()
+            done = await engine.complete(session.id, LATER[0], PARAMS)
+            # The spilled chunks were unreadable: the turn re-prefilled the whole history and answered.
+            assert done.finish_reason in ("stop", "length") and done.usage.generated_tokens > 0
+            assert done.usage.prefilled_tokens > history
+            assert [m["role"] for m in session.messages] == ["user", "assistant"] * 2
+            assert not any(m.get("error") for m in session.messages)
+            cache = session.cache
+            for layer in (0, len(cache.layers) - 1):
+                assert torch.equal(positions_held(cache, layer, 0), torch.arange(cache.history_len))
+            done = await engine.complete(session.id, LATER[1], PARAMS)  # and the session goes on
+            assert done.usage.generated_tokens > 0 and done.usage.prefilled_tokens < 40
+        finally:
+            engine.delete_session(session.id)

@@ -17,6 +17,10 @@ log = logging.getLogger(__name__)
 ChunkKey = tuple[str, str]  # (session id, chunk id)
 
 
+class ChunkUnavailable(KeyError):
+    """A cold chunk is neither in host memory nor readable from Redis (not there, or Redis is down)."""
+
+
 class HostTier:
     def __init__(self, capacity_bytes: int, redis: RedisTier | None = None, pin: bool | None = None):
         self.capacity_bytes = capacity_bytes
@@ -100,7 +104,7 @@ class HostTier:
         self.stats.misses += 1
         chunk = self.redis.get_chunk(*key) if self.redis is not None and key in self._in_redis else None
         if chunk is None:
-            raise KeyError(f"chunk {key} is in no tier")
+            raise ChunkUnavailable(f"chunk {key} is in no tier that can be read now")
         slot = self._store(key, chunk)
         self.stats.promotions += 1
         return self._slots[slot]

@@ -43,7 +43,7 @@ from app.model_loader import LoadedModel, load_model
 from app.settings import Settings
 from rocketkv_mt.cache import CACHE_MODES, SessionCache, TierContext, make_cache
 from rocketkv_mt.config import RocketKVConfig
-from tiers.host import HostTier
+from tiers.host import ChunkUnavailable, HostTier
 from tiers.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
@@ -228,6 +228,14 @@ class Engine:
         session.cache = cache
         self.memory_account.set_held(session.id, cache.device_bytes())
 
+    def _rebuild_cache(self, session: Session) -> SessionCache:
+        """Model thread: replace a session's (half-updated) cache by an empty one to re-prefill into."""
+        if session.cache is not None:
+            session.cache.release()
+        session.cache = self.new_cache(session.mode, session.rocket, session.id)
+        self.memory_account.set_held(session.id, 0)
+        return session.cache
+
     def _after_step(self, session_ids: list[str]) -> None:
         """Model thread, after every batched step: measure the caches that changed, and the total."""
         mem = self.memory_account
@@ -282,7 +290,16 @@ class Engine:
             cache = session.cache
             prefill_ids = session.token_ids[cache.history_len :]
             stats.prefilled_tokens = len(prefill_ids)
-            logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new)
+            try:
+                logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new)
+            except ChunkUnavailable as exc:
+                # Part of the cold history is unreadable (spilled to Redis, which is down now): the token
+                # ids still hold all of it, so this same turn rebuilds the cache from them.
+                log.warning("session %s: %s; re-prefilling its history in this turn", session.id, exc)
+                cache = await self._step(lambda: self._rebuild_cache(session))
+                self._admit(session, 0, max_new)  # the bound of a whole re-prefill, or a structured refusal
+                stats.prefilled_tokens = len(session.token_ids)
+                logits = await self.batcher.prefill(session.id, cache, session.token_ids, max_new)
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
             with self.batcher.decoding():
                 while True:
