@@ -73,6 +73,20 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.ttft"))
 
+    add_history_swap_parser(bench)
+
+
+def add_history_swap_parser(bench) -> None:
+    p = bench.add_parser("history-swap", help="answer one turn of each conversation on every mode's own earlier history")
+    p.add_argument("--tasks", required=True, help="JSONL task file (see bench/tasks/)")
+    p.add_argument("--turn", type=int, default=1, help="the answered turn (0-based); the turns before it build the history")
+    p.add_argument("--modes", default="tiered,full")
+    p.add_argument("--convs", default="", help="only these conversation ids (comma-separated)")
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run("bench.history_swap"))
+
 
 def add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="multi-turn recall accuracy per cache mode on a task file")
