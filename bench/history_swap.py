@@ -44,11 +44,9 @@ async def run(args) -> dict:
             for hist_mode in modes:
                 history = await _history(engine, hist_mode, args.budget, task["turns"][: args.turn], params)
                 for ans_mode in modes:
-                    cell = await _answer(engine, ans_mode, args.budget, history, task["turns"][args.turn], params)
-                    cells[f"{hist_mode}-history/{ans_mode}-answer"] = cell
-                    result["correct"][f"{hist_mode}-history/{ans_mode}-answer"] = (
-                        result["correct"].get(f"{hist_mode}-history/{ans_mode}-answer", 0) + cell["correct"]
-                    )
+                    key = f"{hist_mode}-history/{ans_mode}-answer"
+                    cells[key] = await _answer(engine, ans_mode, args.budget, history, task["turns"][args.turn], params)
+                    result["correct"][key] = result["correct"].get(key, 0) + cells[key]["correct"]
             result["conversations"][task["id"]] = cells
     finally:
         engine.close()

@@ -17,6 +17,7 @@ from rocketkv_mt import dispatch
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.kt_cache import KTCache
+from rocketkv_mt.native import hsa as native_hsa
 
 
 def _layer(hkv: int, d: int, length: int) -> LayerKV:
@@ -57,9 +58,7 @@ def main(args) -> int:
         "dense_kept": lambda: dense_attention(q_dense, kept.keys, kept.values, scaling),
         "dense_context": lambda: dense_attention(q_dense, context.keys, context.values, scaling),
     }
-    from rocketkv_mt.native.hsa import supports
-
-    if not supports(q):
+    if not native_hsa.supports(q):
         calls.pop("native")
     for fn in calls.values():
         fn()  # warm up (and build the native kernel)

@@ -15,6 +15,7 @@ import importlib.util
 import torch
 
 from . import hsa, stage1
+from .native import hsa as native_hsa
 
 BACKENDS = ("auto", "torch", "triton", "native")
 
@@ -139,14 +140,21 @@ def hsa_decode(
     pinned: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """HSA's CPU decode step, q (Hkv, G, d) -> (Hkv, G, d): see ``hsa.hsa_decode`` for the arguments.
+    """HSA's decode step over a layer's cache buffers, q (Hkv, G, d) -> (Hkv, G, d); the arguments are
+    ``hsa.hsa_decode``'s.
 
-    Runs the native C kernel where ``backend`` allows it and it can take the tensors, else the torch path.
+    Triton kernels where ``backend`` picks them (they take the kept keys and the KT bounds as min/max
+    views), the native C kernel where it is allowed and can take the tensors, else the torch path.
     """
+    if uses_triton(backend, q):
+        d = q.shape[-1]
+        return hsa_attention(
+            q, key_buf[:, :length], value_buf[:, :length],
+            bounds[:, d:].transpose(1, 2).contiguous(), bounds[:, :d].transpose(1, 2).contiguous(),
+            page_size, topr, topk, scaling, local_window=local_window, pinned=pinned, backend=backend,
+        )
     args = (q, key_buf, value_buf, length, bounds, page_size, topr, topk, scaling, local_window, pinned)
     if backend in ("auto", "native"):
-        from .native import hsa as native_hsa
-
         if native_hsa.supports(q):
             return native_hsa.hsa_decode(*args)
         if backend == "native":

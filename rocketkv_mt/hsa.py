@@ -61,6 +61,11 @@ def pin(scores: torch.Tensor, n_local: int, pinned: torch.Tensor | None) -> int:
     return n_local + pinned.shape[1]
 
 
+def pages_read(k_pages: int, forced: int, pages: int) -> int:
+    """Pages attended per KV head: ``k_pages``, unless the ``forced`` ones alone are more; never more than exist."""
+    return min(max(k_pages, forced), pages)
+
+
 def select_pages(
     scores: torch.Tensor, k_pages: int, n_local: int = 0, pinned: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -71,7 +76,7 @@ def select_pages(
     what the turn's window found, and an upper-bound score can rank either low.
     """
     scores = scores.clone()
-    k = min(max(k_pages, pin(scores, n_local, pinned)), scores.shape[-1])
+    k = pages_read(k_pages, pin(scores, n_local, pinned), scores.shape[-1])
     idx = torch.topk(scores, k, dim=-1, sorted=False).indices
     return torch.sort(idx, dim=-1).values
 
@@ -170,7 +175,7 @@ def hsa_decode(
     # Summing the group's softmaxes ranks pages exactly as averaging them does.
     scores = torch.softmax(logits.float(), dim=-1).sum(1)
     forced = pin(scores, local_pages(length, page_size, local_window), pinned)
-    k_pages = min(max(math.ceil(topk / page_size), forced), pages)
+    k_pages = pages_read(math.ceil(topk / page_size), forced, pages)
     chosen = torch.topk(scores, k_pages, dim=-1, sorted=False).indices
     cap = key_buf.shape[1]
     offs = torch.arange(page_size, device=q.device)

@@ -232,8 +232,8 @@ class Engine:
         """Model thread: replace a session's (half-updated) cache by an empty one to re-prefill into."""
         if session.cache is not None:
             session.cache.release()
-        session.cache = self.new_cache(session.mode, session.rocket, session.id)
-        self.memory_account.set_held(session.id, 0)
+            session.cache = None
+        self._materialize(session)
         return session.cache
 
     def _after_step(self, session_ids: list[str]) -> None:

@@ -62,13 +62,6 @@ class RocketKVCache(SnapKVCache):
         if store.length <= split.token_budget or layer < split.dense_layers:
             return dense_attention(q, store.keys, store.values, scaling)
         hkv = self.spec.num_kv_heads
-        if dispatch.uses_triton(self.spec.kernels, q):
-            out = dispatch.hsa_attention(
-                q.reshape(hkv, -1, q.shape[-1]), store.keys, store.values, kt.kmin.contiguous(), kt.kmax.contiguous(),
-                split.page_size, split.topr, split.topk, scaling,
-                local_window=split.local_window, pinned=self.anchors[layer], backend=self.spec.kernels,
-            )
-            return out.reshape(q.shape)
         key_buf, value_buf = store.buffers
         out = dispatch.hsa_decode(
             q.reshape(hkv, -1, q.shape[-1]), key_buf, value_buf, store.length, kt.bounds,

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from rocketkv_mt.hsa import local_pages
+from rocketkv_mt.hsa import local_pages, pages_read
 from rocketkv_mt.native import library
 
 
@@ -51,8 +51,7 @@ def hsa_decode(
             raise ValueError(f"pinned pages must be (Hkv, A) indices below {pages}")
         pinned = pinned.to(torch.int64).contiguous()
         n_pinned = pinned.shape[1]
-    # As the torch path: the forced pages count within topk, unless they alone exceed it.
-    k_pages = min(max(math.ceil(topk / page_size), n_local + n_pinned), pages)
+    k_pages = pages_read(math.ceil(topk / page_size), n_local + n_pinned, pages)
     q = q.contiguous()
     out = torch.empty_like(q)
     rc = library().rkv_hsa_decode(
