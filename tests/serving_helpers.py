@@ -241,6 +241,14 @@ async def turn_until_done(chat: WsChat, content: str, **params) -> tuple[str, di
     return "".join(deltas), done
 
 
+def session_detail(url: str, info: dict, headers: dict | None = None, timeout: float = 5.0) -> dict:
+    """``GET /v1/sessions/{id}`` with the session's token (and ``headers``); it must answer 200."""
+    r = httpx.get(f"{url}/v1/sessions/{info['session_id']}", headers={**(headers or {}), "x-session-token": info["token"]},
+                  timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of a non-empty list."""
     ordered = sorted(values)

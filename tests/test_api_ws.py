@@ -6,19 +6,13 @@ import json
 
 import httpx
 import pytest
-from serving_helpers import WsChat, cli_server, local_server
+from serving_helpers import WsChat, cli_server, local_server, session_detail
 
 
 @pytest.fixture(scope="module")
 def server(loaded):
     with local_server(loaded) as srv:
         yield srv
-
-
-def session_detail(server, info) -> dict:
-    r = httpx.get(f"{server.url}/v1/sessions/{info['session_id']}", headers={"x-session-token": info["token"]})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 async def test_two_turns_stream_and_prefill_only_the_new_message(server):
@@ -42,7 +36,7 @@ async def test_two_turns_stream_and_prefill_only_the_new_message(server):
     assert u2["prompt_tokens"] > u1["prompt_tokens"] + u1["generated_tokens"]
     assert u2["prefilled_tokens"] < u2["prompt_tokens"] // 2  # the history came from the cache
 
-    engine_turns = session_detail(server, info)["turn_stats"]
+    engine_turns = session_detail(server.url, info)["turn_stats"]
     assert [t["prefilled_tokens"] for t in engine_turns] == [u1["prefilled_tokens"], u2["prefilled_tokens"]]
     assert [t["prompt_tokens"] for t in engine_turns] == [u1["prompt_tokens"], u2["prompt_tokens"]]
 
@@ -124,7 +118,7 @@ async def test_closing_the_socket_mid_turn_cancels_it(server):
         await chat.send({"type": "message", "content": "Count to one hundred.", "max_tokens": 400})
         assert (await chat.recv())["type"] == "delta"
     for _ in range(100):
-        detail = session_detail(server, info)
+        detail = session_detail(server.url, info)
         if not detail["busy"]:
             break
         await asyncio.sleep(0.1)

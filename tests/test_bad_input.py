@@ -11,7 +11,7 @@ import uuid
 
 import httpx
 import pytest
-from serving_helpers import WsChat, local_server, turn_until_done
+from serving_helpers import WsChat, local_server, session_detail, turn_until_done
 
 KEY, OTHER_KEY = "k1-" + uuid.uuid4().hex, "k2-" + uuid.uuid4().hex
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -46,10 +46,8 @@ def foreign(server):
 
 
 def detail(server, info) -> dict:
-    r = httpx.get(f"{server.url}/v1/sessions/{info['session_id']}",
-                  headers={**AUTH, "x-session-token": info["token"]})
-    assert r.status_code == 200, r.text
-    return {k: r.json()[k] for k in ("messages", "turns", "history_tokens", "busy")}
+    d = session_detail(server.url, info, headers=AUTH)
+    return {k: d[k] for k in ("messages", "turns", "history_tokens", "busy")}
 
 
 def msg(**fields) -> str:

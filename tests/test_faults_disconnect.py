@@ -9,7 +9,7 @@ import asyncio
 
 import httpx
 import pytest
-from serving_helpers import WsChat, local_server, turn_until_done
+from serving_helpers import WsChat, local_server, session_detail, turn_until_done
 
 MODEL = "SmolLM2-135M-Instruct"
 STORY = "Write a very long story about the sea, with many chapters."
@@ -21,15 +21,9 @@ def server(loaded):
         yield srv
 
 
-def detail(server, info) -> dict:
-    r = httpx.get(f"{server.url}/v1/sessions/{info['session_id']}", headers={"x-session-token": info["token"]})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 async def wait_idle(server, info) -> dict:
     for _ in range(200):
-        d = detail(server, info)
+        d = session_detail(server.url, info)
         if not d["busy"]:
             return d
         await asyncio.sleep(0.05)
@@ -80,7 +74,7 @@ async def test_a_client_dropped_mid_stream_loses_no_earlier_turn(server):
         infos = [await chat.create(mode=mode) for chat, mode in ((a, "tiered"), (b, "full"), (c, "snapkv"))]
         for i, chat in enumerate((a, b, c)):
             await turn_until_done(chat, f"My lucky number is {i + 3}.")
-        before = [detail(server, info)["messages"] for info in infos]
+        before = [session_detail(server.url, info)["messages"] for info in infos]
 
         async def drop_mid_stream() -> str:
             async with WsChat.open(server.ws_url) as gone:
@@ -104,7 +98,7 @@ async def test_a_client_dropped_mid_stream_loses_no_earlier_turn(server):
     last = dropped["turn_stats"][-1]
     assert last["finish_reason"] == "cancelled" and last["generated_tokens"] < 300
     for info, old in zip(infos[1:], before[1:]):
-        messages = detail(server, info)["messages"]
+        messages = session_detail(server.url, info)["messages"]
         assert messages[:2] == old and len(messages) == 4
 
     async with WsChat.open(server.ws_url) as chat:
@@ -112,7 +106,7 @@ async def test_a_client_dropped_mid_stream_loses_no_earlier_turn(server):
         assert (await chat.recv())["type"] == "session"
         _, done = await turn_until_done(chat, "What is my lucky number?")
         assert done["usage"]["prompt_tokens"] > dropped["history_tokens"]  # the whole history, partial reply too
-    assert len(detail(server, infos[0])["messages"]) == 6
+    assert len(session_detail(server.url, infos[0])["messages"]) == 6
 
 
 async def test_one_turn_at_a_time_per_session_across_connections(server):
@@ -140,7 +134,7 @@ async def test_one_turn_at_a_time_per_session_across_connections(server):
         assert event["type"] == "done" and event["finish_reason"] == "cancelled"
         _, done = await turn_until_done(second, "Now it is my turn.")
 
-    messages = detail(server, info)["messages"]
+    messages = session_detail(server.url, info)["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
     assert [m["content"] for m in messages[::2]] == [STORY, "Now it is my turn."]  # never interleaved
 

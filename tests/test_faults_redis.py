@@ -13,7 +13,7 @@ import uuid
 
 import httpx
 import torch
-from serving_helpers import RedisServer, WsChat, local_server, turn_until_done
+from serving_helpers import RedisServer, WsChat, local_server, session_detail, turn_until_done
 
 from tiers.base import Chunk
 from tiers.host import HostTier
@@ -27,9 +27,7 @@ def health(server) -> dict:
 
 
 def messages(server, info) -> list[dict]:
-    r = httpx.get(f"{server.url}/v1/sessions/{info['session_id']}", headers={"x-session-token": info["token"]})
-    assert r.status_code == 200, r.text
-    return r.json()["messages"]
+    return session_detail(server.url, info)["messages"]
 
 
 def stored_messages(redis_server: RedisServer, namespace: str, info) -> list[dict] | None:

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import uuid
 
-import httpx
 import pytest
-from serving_helpers import REDIS_URL, WsChat, local_server, redis_available, server_process, turn_until_done
+from serving_helpers import (
+    REDIS_URL, WsChat, local_server, redis_available, server_process, session_detail, turn_until_done,
+)
 from websockets.exceptions import ConnectionClosed
 
 pytestmark = pytest.mark.skipif(not redis_available(), reason="needs Redis at RKV_TEST_REDIS_URL")
-
-
-def detail(url: str, info: dict) -> dict:
-    r = httpx.get(f"{url}/v1/sessions/{info['session_id']}", headers={"x-session-token": info["token"]}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 async def test_a_replica_killed_mid_turn_loses_no_finished_turn(loaded):
@@ -36,7 +31,7 @@ async def test_a_replica_killed_mid_turn_loses_no_finished_turn(loaded):
                     for chat in (t, f):
                         await turn_until_done(chat, "My cat is called Miso.")
                         await turn_until_done(chat, "She is three years old.")
-                    before = [detail(victim.url, info) for info in infos]
+                    before = [session_detail(victim.url, info, timeout=60) for info in infos]
 
                     await t.send({"type": "message", "content": "Tell me a long story about Miso.", "max_tokens": 300})
                     assert (await t.recv())["type"] == "delta"
@@ -52,12 +47,12 @@ async def test_a_replica_killed_mid_turn_loses_no_finished_turn(loaded):
                     event = await chat.recv()
                     assert event["type"] == "session" and event["restored"] and event["replica"] == "survivor"
                     # Both finished turns came along; the turn cut off by the kill was never committed.
-                    assert detail(survivor.url, info)["messages"] == old["messages"]
+                    assert session_detail(survivor.url, info, timeout=60)["messages"] == old["messages"]
                     # The tiered session's cut-off turn may have freed cold chunks its stored KV refers
                     # to; then its history is re-prefilled rather than attended with KV that is gone.
                     _, done = await turn_until_done(chat, "What is my cat called?")
                     assert done["usage"]["prompt_tokens"] > old["history_tokens"]
-                assert len(detail(survivor.url, info)["messages"]) == 6
+                assert len(session_detail(survivor.url, info, timeout=60)["messages"]) == 6
     finally:
         r = redis.Redis.from_url(REDIS_URL)
         for key in r.scan_iter(match=f"{namespace}:*"):

@@ -184,3 +184,21 @@ def test_kernel_dispatched_hsa_attention_matches_reference():
     ref = hsa_attention(q, keys, values, kmin, kmax, page, 16, 24, d ** -0.5)
     got = dispatch.hsa_attention(q, keys, values, kmin, kmax, page, 16, 24, d ** -0.5, backend="triton")
     assert torch.allclose(got, ref, atol=1e-4)
+
+
+@pytest.mark.kernel
+def test_kernel_dispatched_hsa_decode_reads_the_cache_buffers_like_the_torch_path():
+    from rocketkv_mt.cache.store import LayerKV
+    from rocketkv_mt.kt_cache import KTCache
+
+    torch.manual_seed(12)
+    hkv, g, d, length, page = 2, 4, 64, 80, 3
+    store = LayerKV(hkv, d, torch.float32, torch.device("cpu"))
+    store.append(torch.randn(hkv, length, d), torch.randn(hkv, length, d), torch.arange(length))
+    kt = KTCache(store.keys, page)
+    kb, vb = store.buffers
+    q = torch.randn(hkv, g, d)
+    args = (q, kb, vb, length, kt.bounds, page, 16, 24, d ** -0.5)
+    ref = hsa.hsa_decode(*args, 8)
+    got = dispatch.hsa_decode(*args, local_window=8, backend="triton")
+    assert torch.allclose(got, ref, atol=1e-4)

@@ -11,7 +11,7 @@ import uuid
 
 import httpx
 import pytest
-from serving_helpers import REDIS_URL, WsChat, local_server, redis_available, turn_until_done
+from serving_helpers import REDIS_URL, WsChat, local_server, redis_available, session_detail, turn_until_done
 
 MODEL = "SmolLM2-135M-Instruct"
 LONG = "The lighthouse keeper wrote in his log about the storm, the ships, and the gulls. " * 3
@@ -25,12 +25,6 @@ def limited(loaded):
         yield srv
 
 
-def detail(server, info) -> dict:
-    r = httpx.get(f"{server.url}/v1/sessions/{info['session_id']}", headers={"x-session-token": info["token"]})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 async def expect_error(chat: WsChat, code: str, **message) -> None:
     await chat.send({"type": "message", "max_tokens": 4, **message})
     event = await chat.recv()
@@ -41,9 +35,9 @@ async def test_history_beyond_the_context_is_refused_and_the_session_stays_usabl
     async with WsChat.open(limited.ws_url) as chat:
         info = await chat.create(mode="full")
         _, first = await turn_until_done(chat, "Hello there, how are you?")
-        before = detail(limited, info)
+        before = session_detail(limited.url, info)
         await expect_error(chat, "context_length_exceeded", content=LONG * 4)  # ~220 tokens + history > 256
-        after = detail(limited, info)
+        after = session_detail(limited.url, info)
         assert (after["messages"], after["history_tokens"], after["turns"]) == (
             before["messages"], before["history_tokens"], before["turns"])
         _, done = await turn_until_done(chat, "Fine, a short one then.")
