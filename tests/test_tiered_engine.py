@@ -187,3 +187,25 @@ async def test_cold_chunks_lost_with_redis_are_rebuilt_in_the_same_turn(make_eng
             assert done.usage.generated_tokens > 0 and done.usage.prefilled_tokens < 40
         finally:
             engine.delete_session(session.id)
+
+
+async def test_a_failed_turn_frees_its_host_chunks_and_the_session_goes_on(make_engine):
+    engine = make_engine(mode="tiered", token_budget=128, host_tier_bytes=1 << 26)
+    session = engine.create_session()
+    try:
+        await engine.complete(session.id, FIRST, PARAMS)
+        assert engine.host_tier.session_bytes(session.id) > 0
+
+        def failing(layer, q, scaling):
+            raise RuntimeError("injected decode failure")
+
+        session.cache.decode_attention = failing
+        with pytest.raises(RuntimeError, match="injected"):
+            await engine.complete(session.id, LATER[0], PARAMS)
+        # The dropped cache's cold chunks are freed at once, not left until the session is deleted.
+        assert session.cache is None and engine.host_tier.session_bytes(session.id) == 0
+        done = await engine.complete(session.id, LATER[0], PARAMS)
+        assert done.usage.generated_tokens > 0 and done.usage.prefilled_tokens == done.usage.prompt_tokens
+        assert engine.host_tier.session_bytes(session.id) > 0
+    finally:
+        engine.delete_session(session.id)

@@ -216,6 +216,13 @@ class Engine:
             session.parked_kv = state
         log.info("parked session %s (%s)", session.id, "KV in Redis" if state else "re-prefill at its next turn")
 
+    def _release_quietly(self, session: Session, cache: SessionCache) -> None:
+        """Model thread: free a dropped cache's host chunks now rather than at the session's deletion."""
+        try:
+            cache.release()
+        except Exception:  # noqa: BLE001 - the turn's own error is the one to report
+            log.warning("session %s: could not free a failed turn's cache", session.id, exc_info=True)
+
     def _materialize(self, session: Session) -> None:
         """Model thread: give a session without a cache one, restored from its parked record if any."""
         if session.cache is not None:
@@ -326,8 +333,10 @@ class Engine:
             raise
         except Exception:
             log.exception("turn failed in session %s; its cache will be rebuilt", session.id)
-            session.cache = None
+            failed, session.cache = session.cache, None
             self.memory_account.set_held(session.id, 0)
+            if failed is not None:
+                await self._step(lambda: self._release_quietly(session, failed))
             finish = "error"
             raise
         finally:
