@@ -61,7 +61,7 @@ def conversation(idx: int, n_tokens: int, rng: random.Random) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(Path(__file__).parent / "tasks"))
-    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--conversations", type=int, default=16)
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

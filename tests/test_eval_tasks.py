@@ -1,0 +1,79 @@
+"""The multi-turn recall benchmark: the shipped task files and ``rocketkv-mt eval``'s scoring and JSON."""
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import make_tasks
+from bench.eval_mt import load_tasks, run_mode
+
+TASKS = Path(make_tasks.__file__).parent / "tasks"
+
+
+def test_shipped_task_files_are_what_the_generator_writes(tmp_path):
+    make_tasks.main(["--out", str(tmp_path)])
+    for name in ("mt_2k.jsonl", "mt_5k.jsonl"):
+        assert (tmp_path / name).read_text() == (TASKS / name).read_text(), name
+
+
+@pytest.mark.parametrize("name,approx_tokens", [("mt_2k.jsonl", 2000), ("mt_5k.jsonl", 5700)])
+def test_every_turn_asks_a_different_fact_hidden_in_the_first_message(name, approx_tokens):
+    rows = load_tasks(str(TASKS / name))
+    assert len(rows) >= 8 and len({r["id"] for r in rows}) == len(rows)
+    for row in rows:
+        turns = row["turns"]
+        assert len(turns) == 4
+        first = turns[0]["user"]
+        answers = [t["answer"] for t in turns]
+        questions = [t["user"].rsplit("\n\n", 1)[-1] for t in turns]
+        assert len(set(answers)) == 4 and len(set(questions)) == 4
+        for answer in answers:  # each answer occurs once, in the first message only
+            assert first.count(answer) == 1
+            assert all(answer not in t["user"] for t in turns[1:])
+        words = len(first.split())
+        assert 0.7 * approx_tokens * make_tasks.WORDS_PER_TOKEN < words < 1.3 * approx_tokens * make_tasks.WORDS_PER_TOKEN
+
+
+def test_task_rows_without_user_or_answer_are_refused(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "turns": [{"user": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match="'user' and 'answer'"):
+        load_tasks(str(bad))
+
+
+class _Done:
+    def __init__(self, text, device_bytes):
+        self.text = text
+        self.memory = type("M", (), {"device_bytes": device_bytes, "readmitted_tokens": 0})()
+
+
+class _ScriptedEngine:
+    """Replies from a script, so the scoring itself is what is checked."""
+
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self.deleted = []
+
+    def create_session(self, mode, budget):
+        return type("S", (), {"id": f"s{len(self.deleted)}"})()
+
+    async def complete(self, session_id, text, params):
+        reply, nbytes = self.replies.pop(0)
+        return _Done(reply, nbytes)
+
+    def delete_session(self, session_id):
+        self.deleted.append(session_id)
+
+
+def test_a_turn_counts_when_its_answer_occurs_case_insensitively():
+    tasks = [
+        {"id": "a", "turns": [{"user": "q1", "answer": "Halvik"}, {"user": "q2", "answer": "41081"}]},
+        {"id": "b", "turns": [{"user": "q1", "answer": "purple"}, {"user": "q2", "answer": "497"}]},
+    ]
+    engine = _ScriptedEngine([("It is HALVIK.", 10), ("The key is 4108.", 30), ("purple!", 20), ("Room 497", 5)])
+    out = asyncio.run(run_mode(engine, "tiered", tasks, 256, 16))
+    assert (out["correct"], out["total"]) == (3, 4)
+    assert out["accuracy"] == 0.75 and out["per_turn_accuracy"] == [1.0, 0.5]
+    assert out["peak_device_kv_bytes"] == 30 and engine.deleted == ["s0", "s1"]
+    assert [t["correct"] for t in out["replies"][0]["turns"]] == [True, False]
