@@ -74,6 +74,7 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=_run("bench.ttft"))
 
     add_history_swap_parser(bench)
+    add_fidelity_parser(bench)
 
 
 def add_history_swap_parser(bench) -> None:
@@ -86,6 +87,21 @@ def add_history_swap_parser(bench) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.history_swap"))
+
+
+def add_fidelity_parser(bench) -> None:
+    p = bench.add_parser("fidelity", help="teacher-forced agreement and KL of cache variants against full attention")
+    p.add_argument("--tasks", required=True, help="JSONL task file (see bench/tasks/)")
+    p.add_argument(
+        "--variants",
+        default='{"tiered": {"mode": "tiered"}}',
+        help='JSON {name: {"mode": MODE, "rocket": {RocketKVConfig field: value}}}',
+    )
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--limit", type=int, default=0, help="only the first N conversations")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run("bench.fidelity"))
 
 
 def add_eval_parser(sub) -> None:

@@ -77,3 +77,20 @@ def test_a_turn_counts_when_its_answer_occurs_case_insensitively():
     assert out["accuracy"] == 0.75 and out["per_turn_accuracy"] == [1.0, 0.5]
     assert out["peak_device_kv_bytes"] == 30 and engine.deleted == ["s0", "s1"]
     assert [t["correct"] for t in out["replies"][0]["turns"]] == [True, False]
+
+
+@pytest.mark.slow
+async def test_fidelity_is_exact_for_full_and_for_a_budget_above_the_history(make_engine):
+    from bench.fidelity import measure
+    from bench.haystack import hide
+
+    first = hide(["The pass key is 41735.", "Omar keeps a pet ferret."], 300, [0.3, 0.7], seed=3)
+    tasks = [{"id": "t", "turns": [{"user": first + "\n\nWhat is the pass key?", "answer": "41735"},
+                                   {"user": "What pet does Omar keep?", "answer": "ferret"}]}]
+    variants = {"full": {"mode": "full"}, "roomy": {"mode": "tiered", "rocket": {"token_budget": 4096}},
+                "tight": {"mode": "tiered", "rocket": {"token_budget": 32}}}
+    out = await measure(make_engine(), tasks, variants, budget=64, max_tokens=6)
+    for name in ("full", "roomy"):  # nothing compressed: the same distribution at every position
+        assert out[name]["top1_agreement"] == 1.0 and out[name]["mean_kl"] < 1e-4, (name, out[name])
+    assert out["tight"]["positions"] == out["full"]["positions"] >= 2
+    assert out["tight"]["mean_kl"] > out["roomy"]["mean_kl"]
