@@ -2,6 +2,7 @@
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -42,12 +43,6 @@ def test_task_rows_without_user_or_answer_are_refused(tmp_path):
         load_tasks(str(bad))
 
 
-class _Done:
-    def __init__(self, text, device_bytes):
-        self.text = text
-        self.memory = type("M", (), {"device_bytes": device_bytes, "readmitted_tokens": 0})()
-
-
 class _ScriptedEngine:
     """Replies from a script, so the scoring itself is what is checked."""
 
@@ -56,11 +51,11 @@ class _ScriptedEngine:
         self.deleted = []
 
     def create_session(self, mode, budget):
-        return type("S", (), {"id": f"s{len(self.deleted)}"})()
+        return SimpleNamespace(id=f"s{len(self.deleted)}")
 
     async def complete(self, session_id, text, params):
         reply, nbytes = self.replies.pop(0)
-        return _Done(reply, nbytes)
+        return SimpleNamespace(text=reply, memory=SimpleNamespace(device_bytes=nbytes, readmitted_tokens=0))
 
     def delete_session(self, session_id):
         self.deleted.append(session_id)

@@ -217,11 +217,14 @@ class Engine:
         log.info("parked session %s (%s)", session.id, "KV in Redis" if state else "re-prefill at its next turn")
 
     def _release_quietly(self, session: Session, cache: SessionCache) -> None:
-        """Model thread: free a dropped cache's host chunks now rather than at the session's deletion."""
+        """Model thread: free a dropped cache's tier chunks now rather than at the session's deletion.
+
+        A failure here is logged, not raised: it must neither mask a failed turn's own error nor
+        stop a rebuild."""
         try:
             cache.release()
-        except Exception:  # noqa: BLE001 - the turn's own error is the one to report
-            log.warning("session %s: could not free a failed turn's cache", session.id, exc_info=True)
+        except Exception:  # noqa: BLE001 - see above
+            log.warning("session %s: could not free a dropped cache", session.id, exc_info=True)
 
     def _materialize(self, session: Session) -> None:
         """Model thread: give a session without a cache one, restored from its parked record if any."""
@@ -237,9 +240,9 @@ class Engine:
 
     def _rebuild_cache(self, session: Session) -> SessionCache:
         """Model thread: replace a session's (half-updated) cache by an empty one to re-prefill into."""
-        if session.cache is not None:
-            session.cache.release()
-            session.cache = None
+        dropped, session.cache = session.cache, None
+        if dropped is not None:
+            self._release_quietly(session, dropped)
         self._materialize(session)
         return session.cache
 
