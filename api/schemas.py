@@ -108,6 +108,11 @@ class MemoryModel(BaseModel):
     readmitted_tokens: int = 0
     history_tokens: int = 0
     device_tokens: int = 0
+    cold_bytes_read: int = Field(0, description="Bytes of cold pages the last turn read back (host tier and Redis).")
+    redis_bytes_read: int = Field(0, description="The part of cold_bytes_read that came from Redis.")
+    digest_bytes_read: int = Field(0, description="Bytes of cold-page key digests the last turn scored.")
+    bytes_demoted: int = Field(0, description="Bytes of pages the last turn wrote from the device to the host tier.")
+    redis_bytes_written: int = Field(0, description="Bytes the last turn wrote to Redis for this session.")
 
 
 class SessionEvent(BaseModel):

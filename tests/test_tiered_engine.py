@@ -18,16 +18,12 @@ FIRST = hide(FACTS, 700, [0.2, 0.7], seed=5) + "\n\nWhat is the pass key for the
 LATER = ["What is the pass key for the blue door?", "Say the red door's key again.", "Thanks! Which doors did I ask about?",
          "Name one colour.", "Say goodbye."]
 PARAMS = SamplingParams(max_tokens=12)
+PAGE_BYTES = 32 * 64 * 2 * 4  # one cold page of the bundled model: 32 tokens of one KV head, keys and values, fp32
 
 
 def positions_held(cache, layer: int, head: int) -> torch.Tensor:
-    cpu = torch.device("cpu")
     primary = cache.layers[layer].positions[head].cpu()
-    cold = cache.cold[layer]
-    if not cold.refs:
-        return primary.sort().values
-    held = cold.positions(cpu)[head][cold.alive(cpu)[head]]
-    return torch.cat([primary, held]).sort().values
+    return torch.cat([primary, cache.cold[layer].held_positions(head)]).sort().values
 
 
 async def converse(engine, session, turns):
@@ -38,9 +34,10 @@ async def converse(engine, session, turns):
 
 
 async def test_every_position_is_in_exactly_one_tier_after_every_turn(make_engine):
-    # A host tier of 24 chunks forces spills to Redis, so all three tiers hold part of the history.
+    # A host tier of 288 pages (9,216 cold tokens of all layers and heads) forces spills to Redis, so
+    # all three tiers hold part of the history.
     engine = make_engine(mode="tiered", token_budget=128, redis_url=REDIS_URL, redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
-                         host_tier_bytes=24 * 3 * 128 * (64 * 2 * 4 + 8), chunk_tokens=128)
+                         host_tier_bytes=288 * PAGE_BYTES, page_tokens=32)
     session = engine.create_session()
     try:
         for text in [FIRST, *LATER[:2]]:
@@ -70,7 +67,8 @@ async def test_budget_above_history_gives_full_tokens(make_engine):
 
 @pytest.mark.parametrize("prefill_attention", ["dense", "selected"])
 async def test_tiered_matches_the_papers_rocketkv_mt(make_engine, prefill_attention):
-    engine = make_engine(prefill_attention=prefill_attention)
+    # Reading every cold page back, the tiered turn scores what rocketkv-mt scores.
+    engine = make_engine(prefill_attention=prefill_attention, reselect="exhaustive")
     mt = engine.create_session(mode="rocketkv-mt", budget=128)
     tiered = engine.create_session(mode="tiered", budget=128)
     a = await converse(engine, mt, [FIRST, *LATER[:2]])
@@ -163,10 +161,10 @@ async def test_cold_chunks_lost_with_redis_are_rebuilt_in_the_same_turn(make_eng
     from serving_helpers import RedisServer
 
     with RedisServer(tmp_path) as redis_server:
-        # A host tier of 24 chunks: most of the first turn's cold history spills to this private Redis.
+        # A host tier of 288 pages: most of the first turn's cold history spills to this private Redis.
         engine = make_engine(mode="tiered", token_budget=128, redis_url=redis_server.url,
                              redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
-                             host_tier_bytes=24 * 3 * 128 * (64 * 2 * 4 + 8), chunk_tokens=128)
+                             host_tier_bytes=288 * PAGE_BYTES, page_tokens=32)
         engine.redis.timeout_s = 0.3
         session = engine.create_session()
         try:

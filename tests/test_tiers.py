@@ -4,7 +4,6 @@ import secrets
 import pytest
 import torch
 
-from tiers.base import Chunk
 from tiers.host import HostTier
 from tiers.redis_tier import RedisTier, decode_tensors, encode_tensors
 
@@ -23,18 +22,23 @@ def redis_tier():
     tier.close()
 
 
-def make_chunk(seed: int, dtype=torch.float32, hkv=3, c=16, d=8) -> Chunk:
+def make_page(seed: int, dtype=torch.float32, p=16, d=8) -> dict[str, torch.Tensor]:
+    """One page's tensors (no page axis), as the Redis tier stores them."""
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(hkv, c, d, generator=g).to(dtype)
-    v = torch.randn(hkv, c, d, generator=g).to(dtype)
-    return Chunk(k, v, torch.arange(seed * c, seed * c + c).expand(hkv, c).clone())
+    return {"keys": torch.randn(p, d, generator=g).to(dtype), "values": torch.randn(p, d, generator=g).to(dtype)}
 
 
-def same(a: Chunk, b: Chunk) -> bool:
-    return all(
-        getattr(a, f).dtype == getattr(b, f).dtype and torch.equal(getattr(a, f).view(torch.uint8), getattr(b, f).view(torch.uint8))
-        for f in ("keys", "values", "positions")
+def stacked(*pages) -> dict[str, torch.Tensor]:
+    return {name: torch.stack([page[name] for page in pages]) for name in pages[0]}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[f].dtype == b[f].dtype and torch.equal(a[f].view(torch.uint8), b[f].view(torch.uint8)) for f in a
     )
+
+
+PAGE_BYTES = 2 * 16 * 8 * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
@@ -61,17 +65,18 @@ def test_codec_rejects_unknown_dtype_and_short_data():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_redis_chunk_round_trip_bit_exact(redis_tier, dtype):
-    chunk = make_chunk(1, dtype)
-    assert redis_tier.put_chunk("s1", "c1", chunk)
-    back = redis_tier.get_chunk("s1", "c1")
-    assert back is not None and same(back, chunk)
-    assert redis_tier.stats.entries == 1 and redis_tier.stats.bytes > 0
+    page = make_page(1, dtype)
+    assert redis_tier.put_pages("s1", {"c1": page, "c2": make_page(2, dtype)})
+    back = redis_tier.get_pages("s1", ["c2", "nope", "c1"])
+    assert back[1] is None and same(back[0], make_page(2, dtype)) and same(back[2], page)
+    assert redis_tier.stats.entries == 2 and redis_tier.stats.bytes > 0
+    assert redis_tier.stats.bytes_read == redis_tier.stats.bytes_written == redis_tier.stats.bytes
 
 
 def test_redis_keys_are_namespaced_with_ttl(redis_tier):
     import redis
 
-    redis_tier.put_chunk("s1", "c1", make_chunk(2))
+    redis_tier.put_pages("s1", {"c1": make_page(2)})
     redis_tier.put_meta("s1", {"messages": []})
     client = redis.Redis.from_url(REDIS_URL)
     keys = sorted(k.decode() for k in client.scan_iter(match=f"{redis_tier.ns}:*"))
@@ -83,33 +88,48 @@ def test_redis_keys_are_namespaced_with_ttl(redis_tier):
 
 
 def test_host_bound_holds_and_spill_promote_keeps_every_byte(redis_tier):
-    chunks = {f"c{i}": make_chunk(i) for i in range(10)}
-    host = HostTier(capacity_bytes=3 * chunks["c0"].nbytes(), redis=redis_tier)
-    for cid, chunk in chunks.items():
-        host.put(("s2", cid), chunk)
+    pages = {f"c{i}": make_page(i) for i in range(10)}
+    host = HostTier(capacity_bytes=3 * PAGE_BYTES, redis=redis_tier)
+    for cid, page in pages.items():
+        assert host.put_many("s2", [cid], stacked(page)) == PAGE_BYTES
         assert host.stats.bytes <= host.capacity_bytes
     assert host.stats.entries == 3 and host.stats.spills == 7 and host.overflow_slots == 0
-    assert {host.where(("s2", cid)) for cid in chunks} == {"host", "redis"}
-    for cid, chunk in chunks.items():  # reading spilled chunks promotes them back, spilling others
-        assert same(host.get(("s2", cid)), chunk)
+    assert {host.where("s2", cid) for cid in pages} == {"host", "redis"}
+    for cid, page in pages.items():  # reading spilled pages promotes them back, spilling others
+        got, from_redis = host.read_many("s2", [cid])
+        assert same({k: t[0] for k, t in got.items()}, page)
         assert host.stats.bytes <= host.capacity_bytes
     assert host.stats.promotions >= 7
-    for cid in chunks:
-        host.free(("s2", cid))
+    host.free_many("s2", list(pages))
     assert host.stats.entries == 0 and host.stats.bytes == 0
+
+
+def test_a_read_larger_than_the_host_tier_returns_every_page_intact(redis_tier):
+    """One read of more pages than the pool holds: each page comes back as written, whatever the
+    read spills and promotes on the way (no view of a reused slot)."""
+    pages = {f"c{i}": make_page(100 + i) for i in range(12)}
+    host = HostTier(capacity_bytes=4 * PAGE_BYTES, redis=redis_tier)
+    host.put_many("s2", list(pages), stacked(*pages.values()))
+    assert host.overflow_slots == 0 and host.stats.spills >= 8
+    order = ["c3", "c11", "c0", "c7", "c1", "c10", "c2", "c9", "c4", "c8", "c5", "c6", "c3"]
+    got, from_redis = host.read_many("s2", order)
+    assert from_redis > 0
+    for i, cid in enumerate(order):
+        assert same({k: t[i] for k, t in got.items()}, pages[cid]), cid
+    host.free_many("s2", list(pages))
 
 
 def test_redis_down_host_keeps_working_and_reports():
     dead = RedisTier(DEAD_URL, namespace="rkvtest-dead", timeout_s=0.3)
     try:
-        chunk = make_chunk(3)
-        assert dead.put_chunk("s", "c", chunk) is False
+        assert dead.put_pages("s", {"c": make_page(3)}) is False
         assert dead.healthy is False and dead.stats.errors >= 1 and dead.last_error
-        host = HostTier(capacity_bytes=2 * chunk.nbytes(), redis=dead)
+        host = HostTier(capacity_bytes=2 * PAGE_BYTES, redis=dead)
         for i in range(4):
-            host.put(("s", f"c{i}"), make_chunk(i))
+            host.put_many("s", [f"c{i}"], stacked(make_page(i)))
         # Nothing could spill: the host tier goes over its bound rather than lose a token.
         assert host.overflow_slots == 2
-        assert all(same(host.get(("s", f"c{i}")), make_chunk(i)) for i in range(4))
+        got, _ = host.read_many("s", [f"c{i}" for i in range(4)])
+        assert all(same({k: t[i] for k, t in got.items()}, make_page(i)) for i in range(4))
     finally:
         dead.close()

@@ -1,15 +1,28 @@
-"""What every tier reports, and the chunk of cold KV that moves between tiers."""
+"""What every tier reports, what one turn moves between tiers, and the unit that moves: a page.
+
+A page is ``page_tokens`` cold tokens of one KV head of one layer, stored as named tensors (the
+codec decides which: raw keys/values, or int8 with scales). Pages never change once written, so a
+copy in Redis stays valid for as long as the page exists.
+"""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
+
+# Named tensors of n pages, each with a leading page axis: e.g. {"keys": (n, P, d), "values": (n, P, d)}.
+PageBatch = dict[str, torch.Tensor]
+
+
+def batch_nbytes(batch: PageBatch) -> int:
+    return sum(t.numel() * t.element_size() for t in batch.values())
 
 
 @dataclass
 class TierStats:
     """Counters of one tier. promotions: entries moved up (colder -> this tier); demotions: moved in from
-    a warmer tier; spills: entries this tier pushed to a colder one; hits/misses: reads served or not."""
+    a warmer tier; spills: entries this tier pushed to a colder one; hits/misses: reads served or not.
+    bytes_read/bytes_written: payload bytes that left or entered this tier (all sessions)."""
 
     bytes: int = 0
     entries: int = 0
@@ -19,25 +32,36 @@ class TierStats:
     demotions: int = 0
     spills: int = 0
     errors: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 @dataclass
-class Chunk:
-    """Up to C cold tokens of one layer of one session, for every KV head.
+class Traffic:
+    """Bytes one session's cache moved between tiers (per turn, reset by the cache at a turn's start).
 
-    keys/values: (Hkv, C, d); positions: (Hkv, C) int64. Which slots are still cold (not promoted)
-    is bookkeeping kept outside the chunk, so a chunk's bytes never change once written.
+    cold_bytes_read: page bytes handed to the device from the cold tiers (host hits and Redis reads);
+    redis_bytes_read: the part of it that came from Redis; digest_bytes_read: page digests scored;
+    bytes_demoted: page bytes written from the device into the host tier; redis_bytes_written: bytes
+    this session wrote to Redis (its pages, its primary set and its index, at persistence).
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
+    cold_bytes_read: int = 0
+    redis_bytes_read: int = 0
+    digest_bytes_read: int = 0
+    bytes_demoted: int = 0
+    redis_bytes_written: int = 0
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions))
+    def add(self, other: "Traffic") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "Chunk":
-        return Chunk(*(t.to(device, non_blocking=non_blocking) for t in (self.keys, self.values, self.positions)))
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

@@ -1,130 +1,250 @@
-"""The cold tokens of one layer of one session: which chunks hold them and which slots are still cold.
+"""The cold tokens of one layer of one session: per KV head, pages of P tokens and their digests.
 
-Bookkeeping only; the chunk bytes live in the host tier (or Redis, after a spill).
+Bookkeeping only (which page holds which position, which of its tokens are still cold, and each
+page's key bounds); the page bytes live in the host tier (or Redis, after a spill). A token's keys
+and values never change, so a page keeps a promoted token's copy: when that token is demoted again
+it only becomes cold again in place, and no byte moves. Every position therefore has at most one
+page slot per head, and the cold tier never holds more than the history.
+
+Shapes: Hkv KV heads, P tokens per page, d head dim, N pages of one head.
 """
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 import torch
 
-from tiers.base import Chunk
+from tiers.base import PageBatch, Traffic
+from tiers.codec import PageCodec
 from tiers.host import HostTier
 
 
-@dataclass
-class ChunkRef:
-    chunk_id: str
-    alive: torch.Tensor  # (Hkv, C) bool on the CPU: slots whose token is still cold
+class _Rows:
+    """A tensor that grows along its first axis (amortised appends)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, fill=0):
+        self.fill = fill
+        self._buf = torch.full((16, *shape), fill, dtype=dtype)
+        self.length = 0
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._buf[: self.length]
+
+    def append(self, rows: torch.Tensor) -> None:
+        need = self.length + rows.shape[0]
+        if need > self._buf.shape[0]:
+            grown = torch.full((max(need, 2 * self._buf.shape[0]), *self._buf.shape[1:]), self.fill, dtype=self._buf.dtype)
+            grown[: self.length] = self.data
+            self._buf = grown
+        self._buf[self.length : need] = rows
+        self.length = need
+
+    def set(self, rows: torch.Tensor) -> None:
+        self.length = 0
+        self.append(rows)
+
+
+class HeadPages:
+    """Pages of one KV head: ids, positions (N, P) int64 (-1: padding), alive (N, P), key bounds (N, d)."""
+
+    def __init__(self, page_tokens: int, head_dim: int, dtype: torch.dtype):
+        self.ids: list[str] = []
+        self.pos = _Rows((page_tokens,), torch.long, fill=-1)
+        self.alive = _Rows((page_tokens,), torch.bool, fill=False)
+        self.kmin = _Rows((head_dim,), dtype)
+        self.kmax = _Rows((head_dim,), dtype)
+        self.slot_of = torch.full((0,), -1, dtype=torch.long)  # position -> flat slot (page * P + offset)
+
+    def index_positions(self, first_page: int) -> None:
+        """Record the flat slots of the pages from ``first_page`` on in ``slot_of``."""
+        pos = self.pos.data[first_page:].flatten()
+        flat = torch.arange(first_page * self.pos.data.shape[1], self.pos.length * self.pos.data.shape[1])
+        real = pos >= 0
+        top = int(pos.max()) + 1 if pos.numel() else 0
+        if top > self.slot_of.shape[0]:
+            grown = torch.full((max(top, 2 * self.slot_of.shape[0]),), -1, dtype=torch.long)
+            grown[: self.slot_of.shape[0]] = self.slot_of
+            self.slot_of = grown
+        self.slot_of[pos[real]] = flat[real]
+
+    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slot of each position (-1 where this head never made it cold)."""
+        out = torch.full_like(positions, -1)
+        known = positions < self.slot_of.shape[0]
+        out[known] = self.slot_of[positions[known]]
+        return out
 
 
 class ColdLayer:
-    def __init__(self, session_id: str, layer: int, host: HostTier, chunk_tokens: int):
-        self.session_id, self.layer, self.host, self.chunk_tokens = session_id, layer, host, chunk_tokens
-        self.refs: list[ChunkRef] = []
+    def __init__(self, session_id: str, layer: int, host: HostTier, page_tokens: int, codec: PageCodec,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+        self.session_id, self.layer, self.host, self.page_tokens, self.codec = session_id, layer, host, page_tokens, codec
+        self.dtype = dtype
+        self.epoch = secrets.token_hex(4)  # page ids are unique per cache, across processes and rebuilds
+        self.heads = [HeadPages(page_tokens, head_dim, dtype) for _ in range(num_kv_heads)]
+        self._made = 0
 
-    def __len__(self) -> int:
-        """Cold slots (alive or not) in the flat layout that ``keys``/``values`` return."""
-        return len(self.refs) * self.chunk_tokens
+    # --- what is cold ------------------------------------------------------------------------
+    def has_pages(self) -> bool:
+        return any(h.ids for h in self.heads)
 
     def alive_count(self) -> int:
-        return int(sum(int(r.alive[0].sum()) for r in self.refs))
+        """Cold tokens of the first head (every head holds the same count)."""
+        return int(self.heads[0].alive.data.sum())
 
-    def _read(self, field: str, device: torch.device, refs: list[ChunkRef] | None = None) -> torch.Tensor:
-        parts = [getattr(self.host.get((self.session_id, r.chunk_id)), field) for r in (refs or self.refs)]
-        return torch.cat(parts, dim=1).to(device, non_blocking=True)
+    def held_positions(self, head: int) -> torch.Tensor:
+        """Positions of this head's cold tokens, ascending (for checks and tests)."""
+        h = self.heads[head]
+        return h.pos.data[h.alive.data].sort().values
 
-    def keys(self, device: torch.device) -> torch.Tensor:
-        """All cold slots' keys (Hkv, N, d) in the flat layout (dead slots included; see ``alive``)."""
-        return self._read("keys", device)
+    def live_pages(self) -> list[torch.Tensor]:
+        """Per head, the indices of pages holding at least one cold token."""
+        return [torch.nonzero(h.alive.data.any(dim=1)).flatten() for h in self.heads]
 
-    def values(self, device: torch.device) -> torch.Tensor:
-        return self._read("values", device)
+    def digests(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(kmin, kmax) (Hkv, N, d) padded to the largest head, ``live`` (Hkv, N) and the bytes read.
 
-    def positions(self, device: torch.device) -> torch.Tensor:
-        return self._read("positions", device)
+        A page's bounds cover all its tokens, promoted ones too: still an upper bound of its cold ones."""
+        n = max(h.kmin.length for h in self.heads)
+        d = self.heads[0].kmin.data.shape[1]
+        kmin = torch.zeros(len(self.heads), n, d, dtype=self.dtype)
+        kmax = torch.zeros_like(kmin)
+        live = torch.zeros(len(self.heads), n, dtype=torch.bool)
+        for i, h in enumerate(self.heads):
+            kmin[i, : h.kmin.length] = h.kmin.data
+            kmax[i, : h.kmax.length] = h.kmax.data
+            live[i, : h.alive.length] = h.alive.data.any(dim=1)
+        nbytes = 2 * sum(h.kmin.data.numel() for h in self.heads) * kmin.element_size()
+        return kmin.to(device), kmax.to(device), live.to(device), nbytes
 
-    def alive(self, device: torch.device) -> torch.Tensor:
-        return torch.cat([r.alive for r in self.refs], dim=1).to(device)
+    # --- moves -------------------------------------------------------------------------------
+    def demote(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> int:
+        """Make cold the tokens where mask (Hkv, L) is set; returns the page bytes written.
 
-    def values_at(self, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Values at flat cold indices idx (Hkv, m), reading only the chunks that hold them."""
-        c = self.chunk_tokens
-        needed = torch.unique(idx // c).tolist()
-        remap = torch.full((len(self.refs),), -1, dtype=torch.long)
-        remap[needed] = torch.arange(len(needed))
-        vals = self._read("values", device, [self.refs[i] for i in needed])
-        local = (remap.to(idx.device)[idx // c] * c + idx % c).clamp_min(0)
-        return torch.gather(vals, 1, local.unsqueeze(-1).expand(-1, -1, vals.shape[-1]))
-
-    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> int:
-        """Demote the tokens where mask (Hkv, L) is set, keeping their order; returns tokens per head (max)."""
-        counts = mask.sum(1)
-        n = int(counts.max()) if counts.numel() else 0
-        if n == 0:
+        keys/values (Hkv, L, d), positions (Hkv, L). Tokens that already have a page slot (promoted
+        earlier) become cold again in place; the others are written to new pages, in position order."""
+        p, d = self.page_tokens, keys.shape[-1]
+        mask, pos_cpu = mask.cpu(), positions.cpu()
+        new_k, new_v, new_pos, owners = [], [], [], []
+        for i, h in enumerate(self.heads):
+            pos = pos_cpu[i][mask[i]]
+            if pos.numel() == 0:
+                continue
+            slots = h.slots_of(pos)
+            again = slots >= 0
+            if again.any():
+                h.alive.data.view(-1)[slots[again]] = True
+            fresh = torch.nonzero(mask[i]).flatten()[~again]
+            if fresh.numel() == 0:
+                continue
+            pages = -(-fresh.numel() // p)
+            pad = pages * p - fresh.numel()
+            idx = fresh.to(keys.device)
+            k, v = keys[i].index_select(0, idx), values[i].index_select(0, idx)
+            fpos = pos_cpu[i].index_select(0, fresh)
+            if pad:
+                k = torch.cat([k, k[-1:].expand(pad, d)])  # a copy of the last key keeps the page's bounds
+                v = torch.cat([v, v.new_zeros(pad, d)])
+                fpos = torch.cat([fpos, fpos.new_full((pad,), -1)])
+            new_k.append(k.view(pages, p, d))
+            new_v.append(v.view(pages, p, d))
+            new_pos.append(fpos.view(pages, p))
+            owners += [i] * pages
+        if not owners:
             return 0
-        order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :n]
-        alive = torch.arange(n, device=mask.device).unsqueeze(0) < counts.unsqueeze(1)
-        d = keys.shape[-1]
-        k = torch.gather(keys, 1, order.unsqueeze(-1).expand(-1, -1, d))
-        v = torch.gather(values, 1, order.unsqueeze(-1).expand(-1, -1, d))
-        pos = torch.gather(positions, 1, order)
-        self._write(k, v, pos, alive)
-        return n
+        k, v = torch.cat(new_k), torch.cat(new_v)
+        ids = [f"l{self.layer}-{self.epoch}-{self._made + j}" for j in range(len(owners))]
+        self._made += len(owners)
+        written = self.host.put_many(self.session_id, ids, self.codec.encode(k, v))
+        kmin, kmax = k.amin(dim=1).cpu(), k.amax(dim=1).cpu()
+        pos = torch.cat(new_pos)
+        owner_t = torch.tensor(owners)
+        for i, h in enumerate(self.heads):
+            rows = torch.nonzero(owner_t == i).flatten()
+            if rows.numel() == 0:
+                continue
+            first = h.pos.length
+            h.ids += [ids[r] for r in rows.tolist()]
+            h.pos.append(pos[rows])
+            h.alive.append(pos[rows] >= 0)
+            h.kmin.append(kmin[rows].to(self.dtype))
+            h.kmax.append(kmax[rows].to(self.dtype))
+            h.index_positions(first)
+        return written
 
-    def _write(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, alive: torch.Tensor) -> None:
-        c, n = self.chunk_tokens, k.shape[1]
-        pad = (-n) % c
-        if pad:
-            k = torch.cat([k, k.new_zeros(k.shape[0], pad, k.shape[2])], dim=1)
-            v = torch.cat([v, v.new_zeros(v.shape[0], pad, v.shape[2])], dim=1)
-            pos = torch.cat([pos, pos.new_full((pos.shape[0], pad), -1)], dim=1)
-            alive = torch.cat([alive, alive.new_zeros(alive.shape[0], pad)], dim=1)
-        k, v, pos, alive = k.cpu(), v.cpu(), pos.cpu(), alive.cpu()
-        for start in range(0, n + pad, c):
-            chunk_id = f"l{self.layer}-{secrets.token_hex(6)}"
-            sl = slice(start, start + c)
-            self.host.put((self.session_id, chunk_id), Chunk(k[:, sl], v[:, sl], pos[:, sl]))
-            self.refs.append(ChunkRef(chunk_id, alive[:, sl].clone()))
+    def promote(self, slots: torch.Tensor) -> None:
+        """Mark flat cold slots (Hkv, m) (-1: none) as held on the device again."""
+        slots = slots.cpu()
+        for i, h in enumerate(self.heads):
+            s = slots[i][slots[i] >= 0]
+            if s.numel():
+                h.alive.data.view(-1)[s] = False
 
-    def kill(self, mask: torch.Tensor) -> None:
-        """Mark flat cold slots (Hkv, N) as promoted; chunks with nothing cold left are freed."""
-        mask = mask.cpu()
-        c = self.chunk_tokens
-        kept = []
-        for i, ref in enumerate(self.refs):
-            ref.alive &= ~mask[:, i * c : (i + 1) * c]
-            if ref.alive.any():
-                kept.append(ref)
-            else:
-                self.host.free((self.session_id, ref.chunk_id))
-        self.refs = kept
-
-    def compact(self, device: torch.device) -> None:
-        """Rewrite the cold tokens densely once promotions have left more holes than tokens."""
-        total = len(self)
-        if not self.refs or total - self.alive_count() <= max(self.alive_count(), self.chunk_tokens):
-            return
-        alive = self.alive(device)
-        k, v, pos = self.keys(device), self.values(device), self.positions(device)
-        old = self.refs
-        self.refs = []
-        self.add(k, v, pos, alive)
-        for ref in old:
-            self.host.free((self.session_id, ref.chunk_id))
+    def fetch(self, pages: list[torch.Tensor], device: torch.device, traffic: Traffic):
+        """Read the given pages of each head (one batched read) -> keys, values (Hkv, M, d), positions,
+        alive, flat slots (Hkv, M), M = P times the largest page count; shorter heads are padded with
+        dead slots."""
+        p = self.page_tokens
+        n = max((int(x.numel()) for x in pages), default=0)
+        ids = [self.heads[i].ids[j] for i, x in enumerate(pages) for j in x.tolist()]
+        batch, from_redis = self.host.read_many(self.session_id, ids) if ids else ({}, 0)
+        hkv, d = len(self.heads), self.heads[0].kmin.data.shape[1]
+        keys = torch.zeros(hkv, n * p, d, dtype=self.dtype, device=device)
+        values = torch.zeros_like(keys)
+        positions = torch.full((hkv, n * p), -1, dtype=torch.long)
+        alive = torch.zeros(hkv, n * p, dtype=torch.bool)
+        slots = torch.full((hkv, n * p), -1, dtype=torch.long)
+        if ids:
+            k, v = self.codec.decode({name: t.to(device, non_blocking=True) for name, t in batch.items()}, self.dtype)
+            start = 0
+            for i, x in enumerate(pages):
+                m = int(x.numel())
+                if m == 0:
+                    continue
+                h = self.heads[i]
+                keys[i, : m * p] = k[start : start + m].reshape(m * p, d)
+                values[i, : m * p] = v[start : start + m].reshape(m * p, d)
+                positions[i, : m * p] = h.pos.data[x].flatten()
+                alive[i, : m * p] = h.alive.data[x].flatten()
+                slots[i, : m * p] = (x.unsqueeze(1) * p + torch.arange(p)).flatten()
+                start += m
+            traffic.cold_bytes_read += len(ids) * self.host.page_bytes
+            traffic.redis_bytes_read += from_redis
+        return keys, values, positions.to(device), alive.to(device), slots.to(device)
 
     def free(self) -> None:
-        for ref in self.refs:
-            self.host.free((self.session_id, ref.chunk_id))
-        self.refs = []
+        self.host.free_many(self.session_id, [pid for h in self.heads for pid in h.ids])
+        d = self.heads[0].kmin.data.shape[1]
+        self.heads = [HeadPages(self.page_tokens, d, self.dtype) for _ in self.heads]
 
-    def snapshot(self) -> list[dict]:
-        """JSON-able list of chunk ids and alive masks (for persistence)."""
-        return [{"id": r.chunk_id, "alive": r.alive.to(torch.uint8).flatten().tolist(), "shape": list(r.alive.shape)} for r in self.refs]
+    # --- persistence -------------------------------------------------------------------------
+    def page_ids(self) -> list[str]:
+        return [pid for h in self.heads for pid in h.ids]
 
-    def restore(self, items: list[dict]) -> None:
-        for item in items:
-            alive = torch.tensor(item["alive"], dtype=torch.uint8).view(item["shape"]).bool()
-            self.refs.append(ChunkRef(item["id"], alive))
-            self.host.adopt((self.session_id, item["id"]))
+    def index_tensors(self) -> dict[str, torch.Tensor]:
+        """The page table as tensors (written to Redis with the session's record)."""
+        out = {}
+        for i, h in enumerate(self.heads):
+            out[f"pos{i}"] = h.pos.data.to(torch.int32)
+            out[f"alive{i}"] = h.alive.data
+            out[f"kmin{i}"] = h.kmin.data
+            out[f"kmax{i}"] = h.kmax.data
+            out[f"ids{i}"] = torch.tensor([int(pid.rsplit("-", 1)[1]) for pid in h.ids], dtype=torch.int64)
+        return out
+
+    def snapshot(self) -> dict:
+        """What the page table's tensors need besides themselves (JSON-able)."""
+        return {"epoch": self.epoch, "made": self._made}
+
+    def restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.epoch, self._made = state["epoch"], int(state["made"])
+        prefix = f"l{self.layer}-{self.epoch}-"
+        for i, h in enumerate(self.heads):
+            h.ids = [f"{prefix}{n}" for n in tensors[f"ids{i}"].tolist()]
+            h.pos.set(tensors[f"pos{i}"].long())
+            h.alive.set(tensors[f"alive{i}"])
+            h.kmin.set(tensors[f"kmin{i}"].to(self.dtype))
+            h.kmax.set(tensors[f"kmax{i}"].to(self.dtype))
+            h.index_positions(0)
+        self.host.adopt_many(self.session_id, self.page_ids())

@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
-from tiers.base import Chunk, TierStats
+from tiers.base import PageBatch, TierStats
 
 log = logging.getLogger(__name__)
-_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.int32, torch.uint8)}
-_FIELDS = ("keys", "values", "positions")
+_DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.int32, torch.uint8, torch.int8)
+}
 
 
 def encode_tensors(tensors: dict[str, torch.Tensor], meta: dict | None = None) -> tuple[bytes, bytes]:
@@ -94,57 +96,75 @@ class RedisTier:
         return bool(self._run(self._client.ping(), default=False))
 
     # --- tensors -----------------------------------------------------------------------------
-    def put_chunk(self, session_id: str, chunk_id: str, chunk: Chunk) -> bool:
-        return self.put_tensors(session_id, chunk_id, {f: getattr(chunk, f) for f in _FIELDS})
-
-    def get_chunk(self, session_id: str, chunk_id: str) -> Chunk | None:
-        tensors = self.get_tensors(session_id, chunk_id)
-        return None if tensors is None else Chunk(**{f: tensors[f] for f in _FIELDS})
-
-    def put_tensors(self, session_id: str, name: str, tensors: dict[str, torch.Tensor]) -> bool:
-        """Store named tensors under the session's key ``name`` (raw bytes + JSON header)."""
-        header, data = encode_tensors(tensors)
-        key = self.chunk_key(session_id, name)
+    def put_pages(self, session_id: str, pages: dict[str, PageBatch]) -> bool:
+        """Store pages (id -> its tensors, no page axis) in one pipelined request; False on failure."""
+        if not pages:
+            return True
+        encoded = {self.chunk_key(session_id, pid): encode_tensors(t) for pid, t in pages.items()}
 
         async def op():
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping={"header": header, "data": data})
-                pipe.expire(key, self.ttl_s)
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key, (header, data) in encoded.items():
+                    pipe.hset(key, mapping={"header": header, "data": data})
+                    pipe.expire(key, self.ttl_s)
                 await pipe.execute()
             return True
 
-        ok = bool(self._run(op(), default=False))
-        if ok:
-            if key not in self._sizes:
-                self.stats.entries += 1
-                self.stats.demotions += 1
-            self.stats.bytes += len(data) - self._sizes.get(key, 0)
-            self._sizes[key] = len(data)
-        return ok
+        if not self._run(op(), default=False):
+            return False
+        for key, (_, data) in encoded.items():
+            self._account_write(key, len(data))
+        return True
 
-    def get_tensors(self, session_id: str, name: str) -> dict[str, torch.Tensor] | None:
-        key = self.chunk_key(session_id, name)
+    def get_pages(self, session_id: str, page_ids: list[str]) -> list[PageBatch | None]:
+        """Pages by id in one pipelined request; None where a page is missing or Redis is down."""
+        if not page_ids:
+            return []
+        keys = [self.chunk_key(session_id, pid) for pid in page_ids]
 
         async def op():
-            header, data = await self._client.hmget(key, ["header", "data"])
-            if header is not None:
-                await self._client.expire(key, self.ttl_s)
-            return header, data
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hmget(key, ["header", "data"])
+                    pipe.expire(key, self.ttl_s)
+                return (await pipe.execute())[::2]
 
-        header, data = self._run(op(), default=(None, None))
-        if header is None:
-            self.stats.misses += 1
-            return None
-        tensors, _ = decode_tensors(header, data)
-        self.stats.hits += 1
-        self.stats.promotions += 1
-        return tensors
+        replies = self._run(op(), default=None) or [(None, None)] * len(keys)
+        out: list[PageBatch | None] = []
+        for header, data in replies:
+            if header is None:
+                self.stats.misses += 1
+                out.append(None)
+                continue
+            out.append(decode_tensors(header, data)[0])
+            self.stats.hits += 1
+            self.stats.promotions += 1
+            self.stats.bytes_read += len(data)
+        return out
 
-    def delete_chunk(self, session_id: str, chunk_id: str) -> None:
-        key = self.chunk_key(session_id, chunk_id)
-        if self._run(self._client.delete(key), default=None) is not None and key in self._sizes:
-            self.stats.bytes -= self._sizes.pop(key)
-            self.stats.entries -= 1
+    def put_tensors(self, session_id: str, name: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """Store named tensors under the session's key ``name`` (raw bytes + JSON header)."""
+        return self.put_pages(session_id, {name: tensors})
+
+    def get_tensors(self, session_id: str, name: str) -> dict[str, torch.Tensor] | None:
+        return self.get_pages(session_id, [name])[0]
+
+    def _account_write(self, key: str, nbytes: int) -> None:
+        if key not in self._sizes:
+            self.stats.entries += 1
+            self.stats.demotions += 1
+        self.stats.bytes += nbytes - self._sizes.get(key, 0)
+        self.stats.bytes_written += nbytes
+        self._sizes[key] = nbytes
+
+    def delete_pages(self, session_id: str, page_ids: list[str]) -> None:
+        keys = [self.chunk_key(session_id, pid) for pid in page_ids]
+        if not keys or self._run(self._client.delete(*keys), default=None) is None:
+            return
+        for key in keys:
+            if key in self._sizes:
+                self.stats.bytes -= self._sizes.pop(key)
+                self.stats.entries -= 1
 
     # --- session metadata --------------------------------------------------------------------
     def put_meta(self, session_id: str, meta: dict) -> bool:

@@ -43,6 +43,7 @@ from app.model_loader import LoadedModel, load_model
 from app.settings import Settings
 from rocketkv_mt.cache import CACHE_MODES, SessionCache, TierContext, make_cache
 from rocketkv_mt.config import RocketKVConfig
+from tiers.codec import make_codec
 from tiers.host import ChunkUnavailable, HostTier
 from tiers.redis_tier import RedisTier
 
@@ -94,8 +95,11 @@ class Engine:
         tiers = TierContext(
             host=self.host_tier,
             session_id=session_id,
-            chunk_tokens=self.settings.chunk_tokens,
+            page_tokens=self.settings.page_tokens,
             prefill_attention=self.settings.prefill_attention,
+            reselect=self.settings.reselect,
+            candidates=self.settings.digest_candidates,
+            codec=make_codec("int8" if self.settings.cold_dtype == "int8" else "raw"),
         )
         return make_cache(mode, self.runner.spec, rocket, tiers=tiers)
 
@@ -400,6 +404,7 @@ class Engine:
             readmitted_tokens=session.turns[-1].readmitted_tokens if session.turns else 0,
             history_tokens=len(session.token_ids),
             device_tokens=cache.kept_tokens() if cache else 0,
+            **(cache.traffic.as_dict() if cache else {}),
         )
 
     def close(self) -> None:

@@ -24,6 +24,12 @@ class MemoryStats:
     readmitted_tokens: int = 0
     history_tokens: int = 0
     device_tokens: int = 0
+    # Bytes the last turn moved between tiers (``tiers.base.Traffic``).
+    cold_bytes_read: int = 0
+    redis_bytes_read: int = 0
+    digest_bytes_read: int = 0
+    bytes_demoted: int = 0
+    redis_bytes_written: int = 0
 
 
 @dataclass(frozen=True)

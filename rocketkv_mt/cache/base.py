@@ -10,6 +10,7 @@ import torch
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.config import BudgetSplit, RocketKVConfig
+from tiers.base import Traffic
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class SessionCache(ABC):
         self.step: ForwardStep | None = None
         self.split: BudgetSplit | None = None
         self.timer = AttentionTimer()
+        self.traffic = Traffic()  # bytes this cache moved between tiers in its last turn (tiered modes)
 
     # --- engine side -------------------------------------------------------------------------
     def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0) -> None:

@@ -1,0 +1,53 @@
+"""Which cold pages a new turn fetches: the ones whose key digests bound Stage 1's score highest.
+
+Stage 1 scores a token by the softmax mass the observation window puts on it. For a cold page with
+per-channel key bounds [kmin, kmax], q·k <= sum_c max(q_c kmin_c, q_c kmax_c) for every key in the
+page (Quest's bound). The softmax normaliser of each window query is at least the one over the keys
+the device already holds (primary set and the new turn), so exp(bound - lse_device) bounds each
+query's share of any token of the page; summed over the window and the query heads of the KV group,
+it bounds the page's best Stage-1 score. The pages with the highest bounds are fetched.
+
+Shapes: Hq query heads, Hkv KV heads, g = Hq / Hkv, w window queries, T device slots, N cold pages
+per head, d head dim.
+"""
+from __future__ import annotations
+
+import torch
+
+# exp() of a bound far above the normaliser is still a ranking, not a probability: cap it before exp.
+_MAX_LOG_RATIO = 60.0
+
+
+def window_lse(q_win: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, history_len: int, scaling: float) -> torch.Tensor:
+    """Log-sum-exp of each window query's logits over the device slots it may see: (Hkv, g*w)."""
+    hq, w, d = q_win.shape
+    hkv = keys.shape[0]
+    g = hq // hkv
+    logits = torch.matmul(q_win.reshape(hkv, g * w, d).float(), keys.float().transpose(1, 2)) * scaling
+    q_pos = torch.arange(history_len - w, history_len, device=keys.device).repeat(g)
+    hidden = (key_pos.unsqueeze(1) > q_pos.view(1, -1, 1)) | (key_pos.unsqueeze(1) < 0)
+    return torch.logsumexp(logits.masked_fill(hidden, float("-inf")), dim=-1)
+
+
+def page_bounds(q_win: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Upper bound of each cold page's Stage-1 score: (Hkv, N) float32.
+
+    q_win (Hq, w, d); kmin/kmax (Hkv, N, d); lse (Hkv, g*w) from ``window_lse``. The cold pages sit
+    before the window (they are history), so every window query may see them."""
+    hq, w, d = q_win.shape
+    hkv = kmin.shape[0]
+    q = q_win.reshape(hkv, (hq // hkv) * w, d).float()
+    bound = (q.clamp(min=0) @ kmax.float().transpose(1, 2) + q.clamp(max=0) @ kmin.float().transpose(1, 2)) * scaling
+    return torch.exp((bound - lse.unsqueeze(-1)).clamp(max=_MAX_LOG_RATIO)).sum(dim=1)
+
+
+def candidate_pages(scores: torch.Tensor, live: torch.Tensor, per_head: int) -> list[torch.Tensor]:
+    """Per head, the indices (ascending) of at most ``per_head`` live pages with the highest scores."""
+    masked = scores.masked_fill(~live, float("-inf"))
+    k = min(per_head, masked.shape[1])
+    top = torch.topk(masked, k, dim=1).indices if k else masked.new_zeros(masked.shape[0], 0, dtype=torch.long)
+    out = []
+    for i in range(scores.shape[0]):
+        chosen = top[i][live[i].gather(0, top[i])]
+        out.append(chosen.sort().values.cpu())
+    return out
