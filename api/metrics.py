@@ -1,8 +1,10 @@
 """Prometheus metrics of the HTTP layer.
 
-Turn metrics are counted where the turns pass through (every ``done`` event), so one ingress
-sees all replicas' turns. Session and tier gauges come from ``Backend.stats()``, refreshed at
-each scrape. Each app has its own registry (several apps can live in one process, as in tests).
+Turn metrics (tokens, latency, bytes each turn moved between tiers) are counted where the turns
+pass through (every ``done`` event), so one ingress sees all replicas' turns. Session and tier
+figures (bytes held, entries moved, bytes each tier served and took) come from ``Backend.stats()``,
+refreshed at each scrape. Each app has its own registry (several apps can live in one process,
+as in tests).
 """
 from __future__ import annotations
 
@@ -16,6 +18,14 @@ from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RATE_WINDOW_S = 60.0
+# Bytes one turn moved between tiers (the ``memory`` of a ``done`` event, ``tiers.base.Traffic``).
+TURN_TRAFFIC = {
+    "cold_bytes_read": "Cold page bytes turns read back (host tier and Redis).",
+    "redis_bytes_read": "Cold page bytes turns read from Redis.",
+    "digest_bytes_read": "Cold page digest bytes turns scored.",
+    "bytes_demoted": "Page bytes turns wrote from the device to the host tier.",
+    "redis_bytes_written": "Bytes turns wrote to Redis (pages, primary sets, page tables).",
+}
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -35,9 +45,14 @@ class _BackendCollector(Collector):
         for tier in ("device", "host", "redis"):
             tiers.add_metric([tier], s.get(f"{tier}_bytes", 0))
         yield tiers
-        for name in ("promotions", "demotions"):
+        for name in ("promotions", "demotions", "spills"):
             fam = CounterMetricFamily(f"rkv_tier_{name}", f"KV entries moved by tier {name}.")
             fam.add_metric([], s.get(name, 0))
+            yield fam
+        for name, what in (("bytes_read", "read from"), ("bytes_written", "written to")):
+            fam = CounterMetricFamily(f"rkv_tier_{name}", f"Payload bytes {what} each cold tier.", labels=["tier"])
+            for tier in ("host", "redis"):
+                fam.add_metric([tier], s.get(f"{tier}_{name}", 0))
             yield fam
         replicas = GaugeMetricFamily("rkv_replicas", "Chat replicas reporting.")
         replicas.add_metric([], s.get("replicas", 1))
@@ -53,6 +68,7 @@ class Metrics:
         self.prompt = Counter("rkv_prompt_tokens", "History tokens at the start of turns.", registry=r)
         self.prefilled = Counter("rkv_prefilled_tokens", "Tokens prefilled (not served from cache).", registry=r)
         self.readmitted = Counter("rkv_readmitted_tokens", "Cold tokens promoted back to the device.", registry=r)
+        self.traffic = {name: Counter(f"rkv_turn_{name}", doc, registry=r) for name, doc in TURN_TRAFFIC.items()}
         self.errors = Counter("rkv_errors", "Errors returned, by code.", ["code"], registry=r)
         self.latency = Histogram(
             "rkv_turn_latency_seconds", "Turn latency, message to done.", buckets=LATENCY_BUCKETS, registry=r
@@ -86,7 +102,10 @@ class Metrics:
             self.generated.inc(usage["generated_tokens"])
             self.prompt.inc(usage["prompt_tokens"])
             self.prefilled.inc(usage["prefilled_tokens"])
-            self.readmitted.inc(event.get("memory", {}).get("readmitted_tokens", 0))
+            memory = event.get("memory") or {}
+            self.readmitted.inc(memory.get("readmitted_tokens", 0))
+            for name, counter in self.traffic.items():
+                counter.inc(memory.get(name) or 0)
             self.latency.observe(event.get("latency_ms", 0.0) / 1000)
             self.ttft.observe(event.get("ttft_ms", 0.0) / 1000)
             self._recent.append((time.monotonic(), usage["generated_tokens"]))

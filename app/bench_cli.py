@@ -73,6 +73,17 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.ttft"))
 
+    p = bench.add_parser("scaling", help="turn cost against history length per mode: TTFT, bytes read per tier, device bytes")
+    p.add_argument("--lengths", default="2000,4000,7000", help="tokens of the first message, one conversation each")
+    p.add_argument("--modes", default="full,rocketkv-mt,tiered-exhaustive,tiered-digest")
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn (greedy)")
+    p.add_argument("--redis-url", default=None, help="give the tiers Redis (pages spill there past the host bound)")
+    p.add_argument("--host-tier-bytes", type=int, default=None, help="bound of the host tier (default: the server's)")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--plot", default=None, help="write a PNG of TTFT and bytes read against history")
+    p.set_defaults(func=_run("bench.scaling"))
+
     add_history_swap_parser(bench)
     add_fidelity_parser(bench)
 

@@ -293,15 +293,16 @@ class ChatService:
     async def _kv_complete(self, sid: str, meta: dict[str, Any], tier) -> bool:
         """Whether every KV key the engine's stored copy refers to is still in Redis.
 
-        A turn frees cold chunks it promotes or compacts, in Redis too, before its end-of-turn save;
-        a replica killed in between leaves a stored copy that refers to chunks no longer there.
+        A turn rewrites each layer's primary set and page table at its end-of-turn save; a replica
+        killed before the first save, or a cache released after it, leaves keys missing. (Cold pages
+        themselves are never freed while the cache lives; one missing later is a rebuild at read time.)
         """
         kv = meta.get("kv")
         if kv is None:
             return True  # nothing but messages and token ids: the history is re-prefilled anyway
         try:
             layers = kv["cold"]
-            names = [f"primary-l{i}" for i in range(len(layers))] + [item["id"] for layer in layers for item in layer]
+            names = [f"{kind}-l{i}" for i in range(len(layers)) for kind in ("primary", "index")]
             return await self.store.exists_all([tier.chunk_key(sid, name) for name in names])
         except Exception:  # an unreadable record, or Redis gone again: do not trust the KV
             return False
@@ -466,15 +467,20 @@ class ChatService:
         return MemoryModel.model_validate(self.engine.memory(session), from_attributes=True).model_dump()
 
     def stats(self) -> dict[str, Any]:
-        totals = {"device_bytes": 0, "host_bytes": 0, "redis_bytes": 0, "promotions": 0, "demotions": 0}
+        """Totals of this replica: bytes held per tier, entries moved between tiers, and the payload
+        bytes each cold tier has served and taken since start (``host_bytes_read``, ...)."""
+        totals = {"device_bytes": 0, "host_bytes": 0, "redis_bytes": 0, "promotions": 0, "demotions": 0, "spills": 0}
         for session in list(self.engine.sessions.values()):
             mem = self.engine.memory(session)
             for key in ("device_bytes", "host_bytes", "redis_bytes"):
                 totals[key] += int(getattr(mem, key, 0) or 0)
-        for tier in (getattr(self.engine, "host_tier", None), getattr(self.engine, "redis", None)):
+        tiers = {"host": getattr(self.engine, "host_tier", None), "redis": getattr(self.engine, "redis", None)}
+        for name, tier in tiers.items():
             tier_stats = getattr(tier, "stats", None)
-            for key in ("promotions", "demotions"):
+            for key in ("promotions", "demotions", "spills"):
                 totals[key] += int(getattr(tier_stats, key, 0) or 0)
+            for key in ("bytes_read", "bytes_written"):
+                totals[f"{name}_{key}"] = int(getattr(tier_stats, key, 0) or 0)
         busy = sum(1 for s in self.engine.sessions.values() if s.busy)
         # Device budget, peak, parks and refusals, batching figures (Engine.stats).
         return {"replica": self.replica, "sessions": len(self.engine.sessions), "busy": busy, **totals,

@@ -8,6 +8,52 @@ from pathlib import Path
 from bench.haystack import filler_text
 
 
+# Bench mode names beyond the cache modes: a cache mode plus engine settings.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "tiered-exhaustive": ("tiered", {"reselect": "exhaustive"}),
+    "tiered-digest": ("tiered", {"reselect": "digest"}),
+    "tiered-int8": ("tiered", {"reselect": "digest", "cold_dtype": "int8"}),
+}
+TRAFFIC_FIELDS = ("cold_bytes_read", "redis_bytes_read", "digest_bytes_read", "bytes_demoted", "redis_bytes_written")
+
+
+def variant(name: str) -> tuple[str, dict]:
+    """(cache mode, engine settings) of a bench mode name: a cache mode, or one of ``VARIANTS``."""
+    return VARIANTS.get(name, (name, {}))
+
+
+class Engines:
+    """One engine per distinct settings, all sharing one loaded model."""
+
+    def __init__(self, **base):
+        self.base = base
+        self._engines: dict[tuple, object] = {}
+        self._borrowed: set[tuple] = set()
+
+    @classmethod
+    def around(cls, engine) -> "Engines":
+        """Engines whose plain member is ``engine`` (closed by its owner, not here)."""
+        engines = cls(**engine.settings.model_dump())
+        engines._engines[()] = engine
+        engines._borrowed.add(())
+        return engines
+
+    def get(self, overrides: dict):
+        from app.engine.engine import Engine
+        from app.settings import Settings
+
+        key = tuple(sorted(overrides.items()))
+        if key not in self._engines:
+            loaded = next(iter(self._engines.values())).loaded if self._engines else None
+            self._engines[key] = Engine(Settings(**{**self.base, **overrides}), loaded=loaded)
+        return self._engines[key]
+
+    def close(self) -> None:
+        for key, engine in self._engines.items():
+            if key not in self._borrowed:
+                engine.close()
+
+
 def load_engine(**overrides):
     from app.engine.engine import Engine
     from app.settings import Settings

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from app.engine.sampling import SamplingParams
-from bench.common import load_engine, write_json
+from bench.common import TRAFFIC_FIELDS, Engines, variant, write_json
 
 
 def load_tasks(path: str) -> list[dict]:
@@ -26,6 +26,7 @@ async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens
     n_turns = max(len(t["turns"]) for t in tasks)
     per_turn = [[0, 0] for _ in range(n_turns)]
     peak, latencies, replies = 0, [], []
+    traffic = dict.fromkeys(TRAFFIC_FIELDS, 0)
     params = SamplingParams(max_tokens=max_tokens)
     for task in tasks:
         session = engine.create_session(mode=mode, budget=budget)
@@ -38,15 +39,17 @@ async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens
             per_turn[i][0] += ok
             per_turn[i][1] += 1
             peak = max(peak, done.memory.device_bytes)
+            for k in traffic:
+                traffic[k] += getattr(done.memory, k)
             convo.append({"reply": done.text, "correct": ok, "readmitted": done.memory.readmitted_tokens})
         replies.append({"id": task["id"], "turns": convo})
         engine.delete_session(session.id)
         if progress is not None:
-            progress(summary(per_turn, peak, latencies, replies))
-    return summary(per_turn, peak, latencies, replies)
+            progress(summary(per_turn, peak, latencies, replies, traffic))
+    return summary(per_turn, peak, latencies, replies, traffic)
 
 
-def summary(per_turn, peak, latencies, replies) -> dict:
+def summary(per_turn, peak, latencies, replies, traffic=None) -> dict:
     correct = sum(c for c, _ in per_turn)
     total = sum(n for _, n in per_turn)
     return {
@@ -56,6 +59,7 @@ def summary(per_turn, peak, latencies, replies) -> dict:
         "per_turn_accuracy": [round(c / max(n, 1), 4) for c, n in per_turn],
         "peak_device_kv_bytes": peak,
         "mean_turn_latency_ms": round(sum(latencies) / max(len(latencies), 1), 1),
+        "mean_bytes_per_turn": {k: round(v / max(len(latencies), 1)) for k, v in (traffic or {}).items()},
         "replies": replies,
     }
 
@@ -64,7 +68,7 @@ def main(args) -> int:
     tasks = load_tasks(args.tasks)
     if args.limit:
         tasks = tasks[: args.limit]
-    engine = load_engine(**({"prefill_attention": args.prefill_attention} if args.prefill_attention else {}))
+    engines = Engines(**({"prefill_attention": args.prefill_attention} if args.prefill_attention else {}))
     modes = [m for m in args.modes.split(",") if m]
     result = {"budget": args.budget, "tasks": args.tasks, "conversations": len(tasks), "modes": {}}
     for mode in modes:
@@ -73,7 +77,10 @@ def main(args) -> int:
             result["modes"][mode] = partial
             write_json({**result, "partial": True}, args.json_out, quiet=True)
 
-        result["modes"][mode] = asyncio.run(run_mode(engine, mode, tasks, args.budget, args.max_tokens, progress))
+        cache_mode, overrides = variant(mode)
+        engine = engines.get(overrides)
+        result["modes"][mode] = asyncio.run(run_mode(engine, cache_mode, tasks, args.budget, args.max_tokens, progress))
+    engines.close()
     summary = {m: {k: v for k, v in r.items() if k != "replies"} for m, r in result["modes"].items()}
     if not args.details:
         result["modes"] = summary

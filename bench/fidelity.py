@@ -15,7 +15,7 @@ import json
 import torch
 
 from app.engine.sampling import SamplingParams
-from bench.common import load_engine, run_async
+from bench.common import Engines, run_async
 from bench.eval_mt import load_tasks
 from rocketkv_mt.config import RocketKVConfig
 
@@ -37,7 +37,7 @@ async def transcript(engine, task: dict, budget: int, params: SamplingParams) ->
 
 def follow(engine, mode: str, rocket: RocketKVConfig, ids: list[int], bounds, max_new: int) -> list[torch.Tensor]:
     """Log-probabilities (V,) predicting each reply token of the transcript, turn by turn."""
-    cache = engine.new_cache(mode, rocket, f"fidelity-{mode}")
+    cache = engine.new_cache(mode, rocket, f"fidelity-{mode}-{len(ids)}")
     out = []
     try:
         for prompt_end, reply_end in bounds:
@@ -59,8 +59,12 @@ def score(reference: list[torch.Tensor], variant: list[torch.Tensor], targets: l
     return agree, kl
 
 
-async def measure(engine, tasks: list[dict], variants: dict, budget: int, max_tokens: int) -> dict:
-    """{variant name: its agreement and KL against full over every reply position of ``tasks``}."""
+async def measure(engines: Engines, tasks: list[dict], variants: dict, budget: int, max_tokens: int) -> dict:
+    """{variant name: its agreement and KL against full over every reply position of ``tasks``}.
+
+    A variant is {"mode": cache mode, "rocket": RocketKVConfig fields, "settings": engine settings
+    such as reselect or cold_dtype}."""
+    engine = engines.get({})
     params = SamplingParams(max_tokens=max_tokens)
     transcripts = [await transcript(engine, t, budget, params) for t in tasks]
     full = RocketKVConfig(token_budget=budget)
@@ -68,6 +72,7 @@ async def measure(engine, tasks: list[dict], variants: dict, budget: int, max_to
     out = {}
     for name, spec in variants.items():
         mode, overrides = spec["mode"], spec.get("rocket", {})
+        engine = engines.get(spec.get("settings", {}))
         rocket = RocketKVConfig(**{"token_budget": budget, "kernel_size": engine.settings.kernel_size, **overrides})
         agree = positions = 0
         kl = 0.0
@@ -76,7 +81,7 @@ async def measure(engine, tasks: list[dict], variants: dict, budget: int, max_to
             a, k = score(ref, follow(engine, mode, rocket, ids, bounds, max_tokens), targets)
             agree, kl, positions = agree + a, kl + k, positions + len(targets)
         out[name] = {
-            "mode": mode, "rocket": overrides, "positions": positions,
+            "mode": mode, "rocket": overrides, "settings": spec.get("settings", {}), "positions": positions,
             "top1_agreement": round(agree / positions, 4), "mean_kl": round(kl / positions, 5),
         }
     return out
@@ -84,12 +89,12 @@ async def measure(engine, tasks: list[dict], variants: dict, budget: int, max_to
 
 async def run(args) -> dict:
     tasks = load_tasks(args.tasks)[: args.limit or None]
-    engine = load_engine()
+    engines = Engines()
     result = {"tasks": args.tasks, "budget": args.budget, "conversations": len(tasks)}
     try:
-        result["variants"] = await measure(engine, tasks, json.loads(args.variants), args.budget, args.max_tokens)
+        result["variants"] = await measure(engines, tasks, json.loads(args.variants), args.budget, args.max_tokens)
     finally:
-        engine.close()
+        engines.close()
     return result
 
 

@@ -4,10 +4,21 @@ from __future__ import annotations
 import json
 import uuid
 
+from types import SimpleNamespace
+
 import httpx
 import pytest
+import torch
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import REDIS_URL, WsChat, local_server, redis_available
+
+from api.backend import LocalBackend
+from api.routes import create_app
+from app.chat_service import ChatService
+from app.serve import with_stats_route
+from tiers.base import TierStats
+from tiers.host import HostTier
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +148,62 @@ async def test_metrics_move_after_a_turn(server):
     for tier in ("host", "redis"):
         assert ("rkv_tier_bytes", (("tier", tier),)) in after
     assert after[("rkv_tier_promotions_total", ())] >= 0 and after[("rkv_tier_demotions_total", ())] >= 0
+    assert after[("rkv_tier_spills_total", ())] >= 0
+    # Bytes moved: per turn from the done event, per tier from the tiers' own counters (= /v1/stats).
+    for field in ("cold_bytes_read", "redis_bytes_read", "digest_bytes_read", "bytes_demoted", "redis_bytes_written"):
+        name = (f"rkv_turn_{field}_total", ())
+        assert after[name] - before.get(name, 0) == done["memory"][field], field
+    stats = httpx.get(f"{server.url}/v1/stats").json()
+    for tier in ("host", "redis"):
+        for field in ("bytes_read", "bytes_written"):
+            assert after[(f"rkv_tier_{field}_total", (("tier", tier),))] == stats[f"{tier}_{field}"] >= 0
+    assert after[("rkv_tier_spills_total", ())] == stats["spills"]
+
+
+class TrafficEngine:
+    """Just what ``ChatService.stats`` reads of an engine: no sessions, a real host tier, a Redis stand-in."""
+
+    def __init__(self, host: HostTier, redis_stats: TierStats):
+        self.sessions: dict = {}
+        self.host_tier = host
+        self.redis = SimpleNamespace(stats=redis_stats)
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_tier_and_turn_traffic_in_stats_and_metrics():
+    """No model: a service over a stand-in engine, and done events counted by the metrics."""
+    host = HostTier(1 << 20, pin=False)
+    page = {"keys": torch.ones(3, 4, 8), "values": torch.zeros(3, 4, 8)}  # 3 pages of 256 bytes
+    host.put_many("s", ["a", "b", "c"], page)
+    host.read_many("s", ["a", "c"])
+    host.stats.spills = 2
+    redis_stats = TierStats(bytes_read=700, bytes_written=900, promotions=1, demotions=4)
+    app = with_stats_route(create_app(LocalBackend(ChatService(TrafficEngine(host, redis_stats), "fake"), "none")))
+    memory = {"cold_bytes_read": 512, "redis_bytes_read": 256, "digest_bytes_read": 64, "bytes_demoted": 1024,
+              "redis_bytes_written": 2048, "readmitted_tokens": 3}
+    done = {"type": "done", "finish_reason": "stop", "memory": memory,
+            "usage": {"generated_tokens": 2, "prompt_tokens": 10, "prefilled_tokens": 10}}
+    with TestClient(app) as client:
+        stats = client.get("/v1/stats").json()
+        assert stats["host_bytes_written"] == 3 * 256 and stats["host_bytes_read"] == 2 * 256
+        assert stats["redis_bytes_read"] == 700 and stats["redis_bytes_written"] == 900
+        assert stats["spills"] == 2 and stats["promotions"] == 1 and stats["demotions"] == 3 + 4
+        app.state.metrics.observe(done)
+        app.state.metrics.observe({**done, "memory": {**memory, "bytes_demoted": 1}})
+        values = metric_values(client.get("/metrics").text)
+    for tier in ("host", "redis"):
+        for field in ("bytes_read", "bytes_written"):
+            assert values[(f"rkv_tier_{field}_total", (("tier", tier),))] == stats[f"{tier}_{field}"]
+    assert values[("rkv_tier_spills_total", ())] == 2
+    for field in ("cold_bytes_read", "redis_bytes_read", "digest_bytes_read", "redis_bytes_written"):
+        assert values[(f"rkv_turn_{field}_total", ())] == 2 * memory[field], field
+    assert values[("rkv_turn_bytes_demoted_total", ())] == 1024 + 1
+    assert values[("rkv_readmitted_tokens_total", ())] == 6
 
 
 @pytest.mark.skipif(not redis_available(), reason="needs Redis at RKV_TEST_REDIS_URL")

@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from app.engine.events import MemoryStats
+
 from bench import make_tasks
 from bench.eval_mt import load_tasks, run_mode
 
@@ -55,7 +57,7 @@ class _ScriptedEngine:
 
     async def complete(self, session_id, text, params):
         reply, nbytes = self.replies.pop(0)
-        return SimpleNamespace(text=reply, memory=SimpleNamespace(device_bytes=nbytes, readmitted_tokens=0))
+        return SimpleNamespace(text=reply, memory=MemoryStats(device_bytes=nbytes, cold_bytes_read=2 * nbytes))
 
     def delete_session(self, session_id):
         self.deleted.append(session_id)
@@ -72,10 +74,12 @@ def test_a_turn_counts_when_its_answer_occurs_case_insensitively():
     assert out["accuracy"] == 0.75 and out["per_turn_accuracy"] == [1.0, 0.5]
     assert out["peak_device_kv_bytes"] == 30 and engine.deleted == ["s0", "s1"]
     assert [t["correct"] for t in out["replies"][0]["turns"]] == [True, False]
+    assert out["mean_bytes_per_turn"]["cold_bytes_read"] == round(2 * (10 + 30 + 20 + 5) / 4)
 
 
 @pytest.mark.slow
 async def test_fidelity_is_exact_for_full_and_for_a_budget_above_the_history(make_engine):
+    from bench.common import Engines
     from bench.fidelity import measure
     from bench.haystack import hide
 
@@ -84,7 +88,7 @@ async def test_fidelity_is_exact_for_full_and_for_a_budget_above_the_history(mak
                                    {"user": "What pet does Omar keep?", "answer": "ferret"}]}]
     variants = {"full": {"mode": "full"}, "roomy": {"mode": "tiered", "rocket": {"token_budget": 4096}},
                 "tight": {"mode": "tiered", "rocket": {"token_budget": 32}}}
-    out = await measure(make_engine(), tasks, variants, budget=64, max_tokens=6)
+    out = await measure(Engines.around(make_engine()), tasks, variants, budget=64, max_tokens=6)
     for name in ("full", "roomy"):  # nothing compressed: the same distribution at every position
         assert out[name]["top1_agreement"] == 1.0 and out[name]["mean_kl"] < 1e-4, (name, out[name])
     assert out["tight"]["positions"] == out["full"]["positions"] >= 2

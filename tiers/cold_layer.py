@@ -14,7 +14,7 @@ import secrets
 
 import torch
 
-from tiers.base import PageBatch, Traffic
+from tiers.base import Traffic
 from tiers.codec import PageCodec
 from tiers.host import HostTier
 
@@ -156,8 +156,11 @@ class ColdLayer:
         k, v = torch.cat(new_k), torch.cat(new_v)
         ids = [f"l{self.layer}-{self.epoch}-{self._made + j}" for j in range(len(owners))]
         self._made += len(owners)
-        written = self.host.put_many(self.session_id, ids, self.codec.encode(k, v))
-        kmin, kmax = k.amin(dim=1).cpu(), k.amax(dim=1).cpu()
+        encoded = self.codec.encode(k, v)
+        written = self.host.put_many(self.session_id, ids, encoded)
+        # Bounds of the keys a fetch gives back (with int8 these differ from k by up to half a step).
+        stored = self.codec.decode(encoded, self.dtype)[0]
+        kmin, kmax = stored.amin(dim=1).cpu(), stored.amax(dim=1).cpu()
         pos = torch.cat(new_pos)
         owner_t = torch.tensor(owners)
         for i, h in enumerate(self.heads):

@@ -142,6 +142,18 @@ class RedisTier:
             self.stats.bytes_read += len(data)
         return out
 
+    def has_pages(self, session_id: str, page_ids: list[str]) -> bool:
+        """Whether Redis holds every one of these pages (one pipelined request; False if Redis is down)."""
+        keys = [self.chunk_key(session_id, pid) for pid in page_ids]
+
+        async def op():
+            async with self._client.pipeline(transaction=False) as pipe:
+                for i in range(0, len(keys), 512):
+                    pipe.exists(*keys[i : i + 512])
+                return sum(await pipe.execute())
+
+        return not keys or self._run(op(), default=-1) == len(keys)
+
     def put_tensors(self, session_id: str, name: str, tensors: dict[str, torch.Tensor]) -> bool:
         """Store named tensors under the session's key ``name`` (raw bytes + JSON header)."""
         return self.put_pages(session_id, {name: tensors})

@@ -64,7 +64,11 @@ class Engine:
             RedisTier(settings.redis_url, settings.redis_namespace, settings.redis_ttl_s) if settings.redis_url else None
         )
         self.host_tier = HostTier(settings.host_tier_bytes, self.redis)
-        self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec)
+        self.memory_account = DeviceMemory(
+            settings.device_budget_bytes, self.runner.spec,
+            digest_candidates=settings.digest_candidates if settings.reselect == "digest" else None,
+            page_tokens=settings.page_tokens,
+        )
         self.parking = True  # make room for a turn by parking idle sessions (else refuse it)
         # One model thread: the model steps of all sessions run there, batched (app/engine/batcher.py).
         self.batcher = Batcher(self.runner, on_step=self._after_step, threads=settings.threads)

@@ -26,8 +26,10 @@ HSA_MODES = ("rocketkv", "rocketkv-mt", "tiered")
 
 
 class DeviceMemory:
-    def __init__(self, budget: int, spec: CacheSpec):
+    def __init__(self, budget: int, spec: CacheSpec, digest_candidates: float | None = None, page_tokens: int = 32):
         self.budget = int(budget or 0)  # 0: unlimited (still accounted)
+        # Tiered turns read back every cold page (None) or this fraction of the prompt budget's worth.
+        self.digest_candidates, self.page_tokens = digest_candidates, page_tokens
         elem = torch.empty((), dtype=spec.dtype).element_size()
         self.per_layer_token = spec.num_kv_heads * spec.head_dim * 2 * elem  # K and V of one token, one layer
         self.per_token = self.per_layer_token * spec.num_layers
@@ -73,7 +75,12 @@ class DeviceMemory:
             if mode in HSA_MODES:
                 bound += pt * (math.ceil(kept_after / page) + 2)
             if mode == "tiered":
-                bound += lt * 2 * (fed + n)  # one layer's history keys and values, streamed in to score
+                # One layer's cold pages read back to score (keys and values), and their digests.
+                read = fed
+                if self.digest_candidates is not None:
+                    pages = math.ceil(self.digest_candidates * pb / self.page_tokens)
+                    read = min(fed, pages * self.page_tokens) + 2 * math.ceil(fed / self.page_tokens)
+                bound += lt * 2 * (read + n)
         return max(bound, held + lt * n)
 
     # --- accounting ----------------------------------------------------------------------------

@@ -178,5 +178,8 @@ class TieredCache(RocketKVCache):
             store.replace(primary["keys"].to(dev, self.spec.dtype), primary["values"].to(dev, self.spec.dtype),
                           primary["positions"].to(dev))
             self.cold[i].restore(state["cold"][i], index)
+        # A record outliving one of its pages (a replica killed mid-turn, a key evicted) is not trusted.
+        if not redis.has_pages(sid, [pid for cold in self.cold for pid in cold.page_ids()]):
+            return False
         self.history_len = int(state["history_len"])
         return True

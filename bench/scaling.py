@@ -1,0 +1,122 @@
+"""``rocketkv-mt bench scaling``: what a turn costs as the history grows, per mode, in one process.
+
+For each history length, each mode holds the same conversation: a first message of about that many
+tokens (filler and a question), then two short turns. Reported per mode and length: the first turn's
+and the third turn's time to first token, the third turn's wall time, the bytes it moved per tier
+(cold pages read from the host tier and from Redis, digests scored, pages demoted, bytes written to
+Redis) and the device bytes, next to the history's whole KV (what ``full`` holds). Modes alternate
+within each length, so they share the machine's state; compare ratios, not absolute times.
+
+Modes: ``full``, ``rocketkv-mt``, ``tiered-exhaustive`` (every cold page read back each turn) and
+``tiered-digest`` (only the pages whose key digests rank highest).
+"""
+from __future__ import annotations
+
+from app.engine.sampling import SamplingParams
+from bench.common import TRAFFIC_FIELDS, Engines, fit_words, run_async, variant, write_json
+from bench.haystack import filler_text
+
+LATER = ["Which colours are mentioned in it?", "Where does the road bend, and what runs past the old mill?"]
+
+
+def turn_record(done) -> dict:
+    mem = done.memory
+    rec = {"ttft_ms": round(done.ttft_ms, 1), "wall_ms": round(done.latency_ms, 1),
+           "prompt_tokens": done.usage.prompt_tokens, "prefilled_tokens": done.usage.prefilled_tokens, "device_bytes": mem.device_bytes,
+           "host_bytes": mem.host_bytes, "redis_bytes": mem.redis_bytes,
+           "readmitted_tokens": mem.readmitted_tokens}
+    rec.update({k: getattr(mem, k) for k in TRAFFIC_FIELDS})
+    rec["bytes_read"] = mem.cold_bytes_read + mem.digest_bytes_read
+    return rec
+
+
+async def conversation(engine, mode: str, budget: int, first: str, params: SamplingParams) -> list[dict]:
+    session = engine.create_session(mode=mode, budget=budget)
+    try:
+        return [turn_record(await engine.complete(session.id, text, params)) for text in [first, *LATER]]
+    finally:
+        engine.delete_session(session.id)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    lengths = [row["history_tokens"] for row in result["lengths"]]
+    for mode in result["modes"]:
+        rows = [row["modes"][mode] for row in result["lengths"]]
+        axes[0].plot(lengths, [r["turn3"]["ttft_ms"] for r in rows], marker="o", label=mode)
+        axes[1].plot(lengths, [r["turn1"]["ttft_ms"] / 1000 for r in rows], marker="o", label=mode)
+        axes[2].plot(lengths, [r["turn3"]["bytes_read"] / 2**20 for r in rows], marker="o", label=mode)
+    axes[2].plot(lengths, [row["history_kv_bytes"] / 2**20 for row in result["lengths"]], "k--",
+                 label="history's whole KV")
+    titles = ["turn 3: time to first token (ms)", "turn 1: time to first token (s)",
+              "turn 3: bytes read from cold tiers (MiB)"]
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("history tokens at turn 3")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
+    fig.suptitle(f"{result['model']}, budget {result['token_budget']}, {result['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def run(args) -> dict:
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    modes = [m for m in args.modes.split(",") if m]
+    base = {"token_budget": args.budget}
+    if args.redis_url:
+        base.update(redis_url=args.redis_url, redis_namespace="rkvbench-scaling")
+    if args.host_tier_bytes:
+        base["host_tier_bytes"] = args.host_tier_bytes
+    engines = Engines(**base)
+    for mode in modes:
+        engines.get(variant(mode)[1])
+    some = engines.get({})
+    params = SamplingParams(max_tokens=args.max_tokens)
+    result = {"model": some.settings.model, "device": str(some.runner.device), "token_budget": args.budget,
+              "max_tokens": args.max_tokens, "modes": modes, "lengths": []}
+    try:
+        for i, length in enumerate(lengths):
+            first = fit_words(some.tokenizer, filler_text(length, seed=7 + i), length - 40)
+            first += "\n\nWhat is this text about? Answer in one sentence."
+            row = {"target_tokens": length, "modes": {}}
+            order = modes if i % 2 == 0 else list(reversed(modes))
+            for mode in order:
+                cache_mode, overrides = variant(mode)
+                turns = await conversation(engines.get(overrides), cache_mode, args.budget, first, params)
+                row["modes"][mode] = {"turn1": turns[0], "turn2": turns[1], "turn3": turns[2]}
+            spec = some.runner.spec
+            full3 = row["modes"].get("full", {}).get("turn3")
+            # The history's whole KV: every layer's keys and values of every token before turn 3's reply.
+            elem = 2 if str(spec.dtype) in ("torch.bfloat16", "torch.float16") else 4
+            row["history_tokens"] = history = _history_tokens(row, modes)
+            row["history_kv_bytes"] = history * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * elem
+            for mode in modes:
+                t1, t3 = row["modes"][mode]["turn1"], row["modes"][mode]["turn3"]
+                t3["bytes_read_vs_history_kv"] = round(t3["bytes_read"] / row["history_kv_bytes"], 4)
+                if full3 is not None:
+                    t3["ttft_vs_full"] = round(t3["ttft_ms"] / full3["ttft_ms"], 3)
+                    t1["ttft_vs_full"] = round(t1["ttft_ms"] / row["modes"]["full"]["turn1"]["ttft_ms"], 3)
+            result["lengths"].append(row)
+            write_json(result, args.json_out, quiet=True)
+    finally:
+        engines.close()
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def _history_tokens(row: dict, modes: list[str]) -> int:
+    """Tokens of history turn 3 prefills on: its prompt minus what it fed (the same in every mode)."""
+    t = row["modes"][modes[0]]
+    return t["turn3"]["prompt_tokens"] - t["turn3"]["prefilled_tokens"]
+
+
+def main(args) -> int:
+    return run_async(run, args)

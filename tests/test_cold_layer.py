@@ -1,0 +1,208 @@
+"""The cold pages of one layer (``tiers.cold_layer.ColdLayer``) on a host tier without Redis, and the
+page codecs: pure bookkeeping and tensors, no model."""
+import json
+
+import pytest
+import torch
+
+from tiers.base import Traffic
+from tiers.codec import Int8Codec, RawCodec
+from tiers.cold_layer import ColdLayer
+from tiers.host import HostTier
+from tiers.redis_tier import decode_tensors, encode_tensors
+
+HKV, D, P, STORE = 3, 8, 16, 90
+DTYPE = torch.bfloat16
+PAGE_BYTES = 2 * P * D * 2  # keys and values, bf16
+
+
+def make_store(seed: int):
+    """A device store: keys, values (Hkv, T, d) and ascending positions (Hkv, T), a subset per head."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(HKV, STORE, D, generator=gen).to(DTYPE)
+    values = torch.randn(HKV, STORE, D, generator=gen).to(DTYPE)
+    positions = torch.stack([torch.randperm(200, generator=gen)[:STORE].sort().values for _ in range(HKV)])
+    return keys, values, positions
+
+
+def make_mask(counts: list[int], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(HKV, STORE, dtype=torch.bool)
+    for h, n in enumerate(counts):
+        mask[h, torch.randperm(STORE, generator=gen)[:n]] = True
+    return mask
+
+
+def new_layer(host: HostTier, session: str = "s1", codec=None) -> ColdLayer:
+    return ColdLayer(session, 2, host, P, codec or RawCodec(), HKV, D, DTYPE)
+
+
+def fetch_all(layer: ColdLayer):
+    traffic = Traffic()
+    pages = layer.live_pages()
+    return pages, layer.fetch(pages, torch.device("cpu"), traffic), traffic
+
+
+def by_position(keys, values, positions, h: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    return {int(p): (keys[h, i], values[h, i]) for i, p in enumerate(positions[h].tolist()) if p >= 0}
+
+
+def test_demote_fetch_promote_and_demote_again():
+    keys, values, positions = make_store(0)
+    host = HostTier(1 << 20, pin=False)
+    layer = new_layer(host)
+    mask = make_mask([37, 20, 5], seed=1)  # different tokens and counts per head; partial last pages
+    written = layer.demote(keys, values, positions, mask)
+    pages_per_head = [3, 2, 1]
+    assert written == sum(pages_per_head) * PAGE_BYTES == host.stats.bytes_written == host.session_bytes("s1")
+    for h in range(HKV):
+        assert torch.equal(layer.held_positions(h), positions[h][mask[h]].sort().values)
+    assert layer.alive_count() == 37
+
+    # Fetch every live page: bit-exact keys and values, and each slot's position, alive flag and flat slot.
+    pages, (k, v, pos, alive, slots), traffic = fetch_all(layer)
+    assert [len(x) for x in pages] == pages_per_head
+    assert k.shape == v.shape == (HKV, 3 * P, D) and k.dtype == DTYPE
+    assert pos.shape == alive.shape == slots.shape == (HKV, 3 * P)
+    assert traffic.cold_bytes_read == sum(pages_per_head) * PAGE_BYTES and traffic.redis_bytes_read == 0
+    for h in range(HKV):
+        want = by_position(keys, values, positions, h)
+        n = pages_per_head[h] * P
+        assert sorted(pos[h][alive[h]].tolist()) == layer.held_positions(h).tolist()
+        for j in torch.nonzero(alive[h]).flatten().tolist():
+            wk, wv = want[int(pos[h, j])]
+            assert torch.equal(k[h, j], wk) and torch.equal(v[h, j], wv)
+        assert torch.equal(slots[h, :n], torch.arange(n))  # all pages of the head, in order
+        assert (pos[h, n:] == -1).all() and not alive[h, n:].any() and (slots[h, n:] == -1).all()
+        assert torch.equal(pos[h, :n][alive[h, :n]], positions[h][mask[h]])  # pages in position order
+        assert int(alive[h].sum()) == int(mask[h].sum())
+
+    # Digests: per page and channel, the min and max of the page's keys.
+    kmin, kmax, live, nbytes = layer.digests(torch.device("cpu"))
+    assert kmin.shape == kmax.shape == (HKV, 3, D) and live.shape == (HKV, 3)
+    assert nbytes == 2 * sum(pages_per_head) * D * 2
+    for h in range(HKV):
+        m = pages_per_head[h]
+        page_keys = k[h, : m * P].view(m, P, D).float()
+        page_alive = alive[h, : m * P].view(m, P, 1)
+        assert torch.equal(kmin[h, :m].float(), page_keys.masked_fill(~page_alive, float("inf")).amin(dim=1))
+        assert torch.equal(kmax[h, :m].float(), page_keys.masked_fill(~page_alive, float("-inf")).amax(dim=1))
+        assert live[h, :m].all() and not live[h, m:].any()
+
+    # Promote a few tokens per head (as a turn's re-selection does), then demote them again.
+    promoted = torch.stack([torch.where(alive[h], slots[h], -1) for h in range(HKV)])
+    promoted[:, 1::3] = -1  # keep two in three of them, in every page
+    back = [set(pos[h][promoted[h] >= 0].tolist()) for h in range(HKV)]
+    layer.promote(promoted)
+    for h in range(HKV):
+        held = positions[h][mask[h]].tolist()
+        assert layer.held_positions(h).tolist() == sorted(set(held) - back[h])
+    before = host.stats.bytes_written
+    again = torch.stack([torch.isin(positions[h], torch.tensor(sorted(back[h]), dtype=torch.long)) for h in range(HKV)])
+    assert layer.demote(keys, values, positions, again) == 0  # the pages kept their copies
+    assert host.stats.bytes_written == before and host.session_bytes("s1") == written
+    for h in range(HKV):
+        assert torch.equal(layer.held_positions(h), positions[h][mask[h]].sort().values)
+    assert torch.equal(layer.digests(torch.device("cpu"))[0], kmin)
+
+    # A mixture of tokens cold before and new ones: only the new ones are written.
+    more = mask | make_mask([10, 10, 10], seed=2)
+    fresh = [int((more[h] & ~mask[h]).sum()) for h in range(HKV)]
+    new_pages = sum(-(-n // P) for n in fresh)
+    assert layer.demote(keys, values, positions, more) == new_pages * PAGE_BYTES
+    for h in range(HKV):
+        assert torch.equal(layer.held_positions(h), positions[h][more[h]].sort().values)
+    assert len(set(layer.page_ids())) == len(layer.page_ids()) == sum(pages_per_head) + new_pages
+
+
+def test_free_empties_the_host_tier_for_the_session_only():
+    keys, values, positions = make_store(3)
+    host = HostTier(1 << 20, pin=False)
+    a, b = new_layer(host, "a"), new_layer(host, "b")
+    a.demote(keys, values, positions, make_mask([30, 30, 30], seed=4))
+    b.demote(keys, values, positions, make_mask([20, 20, 20], seed=5))
+    b_bytes = host.session_bytes("b")
+    _, before, _ = fetch_all(b)
+    a.free()
+    assert host.session_bytes("a") == 0 and not a.has_pages()
+    assert all(layer.numel() == 0 for layer in a.live_pages())
+    assert host.stats.bytes == host.session_bytes("b") == b_bytes and host.stats.entries == b_bytes // PAGE_BYTES
+    _, after, _ = fetch_all(b)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    b.free()
+    assert host.stats.bytes == 0 and host.stats.entries == 0
+
+
+def test_restore_from_the_index_gives_the_same_cold_tokens():
+    keys, values, positions = make_store(6)
+    host = HostTier(1 << 20, pin=False)
+    layer = new_layer(host)
+    layer.demote(keys, values, positions, make_mask([40, 40, 40], seed=7))
+    _, (_, _, pos, alive, slots), _ = fetch_all(layer)
+    layer.promote(torch.where(alive & (pos % 2 == 0), slots, -1))  # some tokens are on the device now
+    # The page table as persistence stores it: tensors through the Redis encoding, state through JSON.
+    header, data = encode_tensors(layer.index_tensors())
+    tensors, _ = decode_tensors(header, data)
+    state = json.loads(json.dumps(layer.snapshot()))
+
+    copy = new_layer(host)
+    copy.restore(state, tensors)
+    assert copy.page_ids() == layer.page_ids()
+    for h in range(HKV):
+        assert torch.equal(copy.held_positions(h), layer.held_positions(h))
+    _, want, _ = fetch_all(layer)
+    pages, got, _ = fetch_all(copy)
+    assert all(torch.equal(x, y) for x, y in zip(want, got))
+    *digests, nbytes = layer.digests(torch.device("cpu"))
+    *copied, copied_nbytes = copy.digests(torch.device("cpu"))
+    assert all(torch.equal(x, y) for x, y in zip(digests, copied)) and nbytes == copied_nbytes
+    # Promoted tokens demoted again in the restored layer write nothing; new pages get new ids.
+    assert copy.demote(keys, values, positions, make_mask([40, 40, 40], seed=7)) == 0
+    copy.demote(keys, values, positions, make_mask([60, 60, 60], seed=8))
+    assert len(set(copy.page_ids())) == len(copy.page_ids()) > len(layer.page_ids())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_codec_error_is_within_one_step_of_each_scale_group(dtype):
+    gen = torch.Generator().manual_seed(9)
+    n, p, d = 5, 32, 64
+    keys = torch.randn(n, p, d, generator=gen) * torch.linspace(0.1, 20, d)  # outlier channels
+    values = torch.randn(n, p, d, generator=gen) * torch.linspace(0.1, 5, p).view(p, 1)
+    keys[0, :, 3] = 0  # an all-zero group
+    keys, values = keys.to(dtype), values.to(dtype)
+    codec = Int8Codec()
+    batch = codec.encode(keys, values)
+    assert batch["keys"].dtype == batch["values"].dtype == torch.int8
+    k, v = codec.decode(batch, dtype)
+    assert k.dtype == v.dtype == dtype and k.shape == keys.shape and v.shape == values.shape
+    kmax = keys.float().abs().amax(dim=1, keepdim=True)  # per page and channel
+    vmax = values.float().abs().amax(dim=2, keepdim=True)  # per token
+    assert ((k.float() - keys.float()).abs() <= kmax / 127).all()
+    assert ((v.float() - values.float()).abs() <= vmax / 127).all()
+    assert (k[0, :, 3] == 0).all()
+
+
+def test_int8_pages_are_much_smaller_than_bf16():
+    n, p, d = 4, 32, 64
+    keys, values = torch.randn(n, p, d).to(torch.bfloat16), torch.randn(n, p, d).to(torch.bfloat16)
+    raw = sum(t.numel() * t.element_size() for t in RawCodec().encode(keys, values).values())
+    int8 = sum(t.numel() * t.element_size() for t in Int8Codec().encode(keys, values).values())
+    assert raw == n * 2 * p * d * 2
+    assert int8 < 0.6 * raw
+    host = HostTier(1 << 20, pin=False)  # what the host tier charges per page agrees
+    host.put_many("s", [f"p{i}" for i in range(n)], Int8Codec().encode(keys, values))
+    assert host.page_bytes * n == int8 == host.stats.bytes
+
+
+def test_digests_bound_the_keys_the_tier_gives_back_with_int8():
+    """Stage 1 scores the keys a fetch returns (dequantized): the page bounds must hold for those."""
+    keys, values, positions = make_store(10)
+    layer = new_layer(HostTier(1 << 20, pin=False), codec=Int8Codec())
+    layer.demote(keys, values, positions, make_mask([50, 50, 50], seed=11))
+    pages, (k, _, _, alive, _), _ = fetch_all(layer)
+    kmin, kmax, _, _ = layer.digests(torch.device("cpu"))
+    for h in range(HKV):
+        m = len(pages[h])
+        page_keys, page_alive = k[h, : m * P].view(m, P, D), alive[h, : m * P].view(m, P, 1)
+        assert ((page_keys >= kmin[h, :m, None]) | ~page_alive).all()
+        assert ((page_keys <= kmax[h, :m, None]) | ~page_alive).all()

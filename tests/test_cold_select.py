@@ -1,0 +1,159 @@
+"""Choosing cold pages (``rocketkv_mt.cold_select``) and re-selecting over a partly held history
+(``rocketkv_mt.reselect``): pure tensor logic, no model."""
+import pytest
+import torch
+
+from rocketkv_mt.cold_select import candidate_pages, page_bounds, window_lse
+from rocketkv_mt.reselect import reselect
+from rocketkv_mt.stage1 import snapkv_keep_indices, window_scores
+
+
+def split_history(hkv: int, history: int, w: int, cold_n: int, gen: torch.Generator):
+    """Per head, ``cold_n`` cold positions (before the window) and the device positions (the rest,
+    window included), both ascending."""
+    cold, device = [], []
+    for _ in range(hkv):
+        perm = torch.randperm(history - w, generator=gen)
+        cold.append(perm[:cold_n].sort().values)
+        device.append(torch.cat([perm[cold_n:].sort().values, torch.arange(history - w, history)]))
+    return torch.stack(cold), torch.stack(device)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_page_bounds_bound_every_cold_token_of_the_page(group):
+    gen = torch.Generator().manual_seed(group)
+    hkv, w, d, history, p, cold_n = 2, 6, 16, 120, 8, 48
+    scaling = d ** -0.5
+    q = torch.randn(hkv * group, w, d, generator=gen) * 2
+    keys = torch.randn(hkv, history, d, generator=gen) * 2  # the whole history, in position order
+    cold_pos, dev_pos = split_history(hkv, history, w, cold_n, gen)
+    # The device slots: their keys, plus a few dead (-1) slots holding junk that must not count.
+    dev_keys = torch.stack([keys[h, dev_pos[h]] for h in range(hkv)])
+    dev_keys = torch.cat([dev_keys, torch.full((hkv, 3, d), 50.0)], dim=1)
+    dev_pos = torch.cat([dev_pos, torch.full((hkv, 3), -1)], dim=1)
+    lse = window_lse(q, dev_keys, dev_pos, history, scaling)
+    assert lse.shape == (hkv, group * w) and torch.isfinite(lse).all()
+
+    # Cold keys grouped in pages of p (the last page also has one page of a single repeated key).
+    cold_keys = torch.stack([keys[h, cold_pos[h]] for h in range(hkv)]).view(hkv, cold_n // p, p, d)
+    cold_keys = torch.cat([cold_keys, cold_keys[:, :1, :1].expand(hkv, 1, p, d)], dim=1)
+    kmin, kmax = cold_keys.amin(dim=2), cold_keys.amax(dim=2)
+    bounds = page_bounds(q, kmin, kmax, lse, scaling)
+    assert bounds.shape == (hkv, cold_keys.shape[1]) and bounds.dtype == torch.float32
+
+    # The exact quantity per cold key: sum over the window queries (and the group) of exp(q.k s - lse).
+    qq = q.reshape(hkv, group * w, d).double()
+    logits = torch.einsum("hqd,hnpd->hqnp", qq, cold_keys.double()) * scaling
+    exact = torch.exp(logits - lse.double()[:, :, None, None]).sum(dim=1)  # (hkv, pages, p)
+    tol = 1e-5 * bounds.double() + 1e-30
+    assert (exact <= bounds.double().unsqueeze(-1) + tol.unsqueeze(-1)).all()
+    # A page of one repeated key: the bound is the key's own quantity (tight).
+    assert torch.allclose(bounds[:, -1].double(), exact[:, -1, 0], rtol=1e-4)
+
+    # And it bounds Stage 1's real score of each cold token (softmax over the whole history).
+    real = window_scores(q, keys, scaling)  # (hkv, history - w)
+    for h in range(hkv):
+        per_token = bounds[h, : cold_n // p].repeat_interleave(p)
+        assert (real[h, cold_pos[h]] <= per_token * (1 + 1e-5)).all()
+
+
+def brute_top(scores: torch.Tensor, live: torch.Tensor, k: int) -> list[torch.Tensor]:
+    out = []
+    for h in range(scores.shape[0]):
+        idx = torch.nonzero(live[h]).flatten().tolist()
+        best = sorted(idx, key=lambda i: -float(scores[h, i]))[:k]
+        out.append(torch.tensor(sorted(best), dtype=torch.long))
+    return out
+
+
+@pytest.mark.parametrize("per_head", [0, 1, 3, 7, 12, 40])
+def test_candidate_pages_are_the_top_live_pages(per_head):
+    gen = torch.Generator().manual_seed(per_head)
+    hkv, n = 4, 12
+    scores = torch.rand(hkv, n, generator=gen) * 10
+    live = torch.rand(hkv, n, generator=gen) < 0.6
+    live[1] = False  # a head with nothing cold
+    live[2] = False
+    live[2, [3, 9]] = True  # a head with fewer live pages than asked for
+    live[3] = True
+    scores[0, ~live[0]] += 100  # dead pages scoring highest must still never be chosen
+    got = candidate_pages(scores, live, per_head)
+    want = brute_top(scores, live, per_head)
+    assert len(got) == hkv
+    for h in range(hkv):
+        assert got[h].dtype == torch.long and torch.equal(got[h], want[h]), (h, got[h], want[h])
+        assert len(got[h]) == min(per_head, int(live[h].sum()))
+        assert bool(live[h][got[h]].all())
+        assert torch.equal(got[h], got[h].sort().values)
+
+
+def test_candidate_pages_with_tied_scores_still_pick_a_valid_top():
+    """Scores that underflow to 0 tie: any choice among them is right, as long as it is a top-k."""
+    hkv, n, k = 2, 10, 4
+    scores = torch.zeros(hkv, n)
+    scores[:, 7] = 1.0
+    live = torch.ones(hkv, n, dtype=torch.bool)
+    live[:, 0] = False
+    got = candidate_pages(scores, live, k)
+    for h in range(hkv):
+        assert len(got[h]) == k and 7 in got[h].tolist() and bool(live[h][got[h]].all())
+
+
+def scatter_history(keys: torch.Tensor, held: list[torch.Tensor], extra: int, gen: torch.Generator):
+    """Slots (Hkv, T) holding, per head, the positions in ``held`` in a random order, with dead slots
+    (junk keys, position 0 or -1) in between."""
+    hkv, _, d = keys.shape
+    t = max(len(x) for x in held) + extra
+    out_k = torch.randn(hkv, t, d, generator=gen, dtype=keys.dtype) * 5
+    pos = torch.zeros(hkv, t, dtype=torch.long)
+    pos[:, ::2] = -1
+    alive = torch.zeros(hkv, t, dtype=torch.bool)
+    for h, positions in enumerate(held):
+        slots = torch.randperm(t, generator=gen)[: len(positions)]
+        out_k[h, slots] = keys[h, positions]
+        pos[h, slots] = positions
+        alive[h, slots] = True
+    return out_k, pos, alive
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_reselect_keeps_only_held_positions(group):
+    gen = torch.Generator().manual_seed(10 + group)
+    hkv, w, d, history, budget, kernel = 3, 8, 16, 160, 48, 5
+    scaling = d ** -0.5
+    q = torch.randn(hkv * group, w, d, generator=gen, dtype=torch.float64)
+    keys = torch.randn(hkv, history, d, generator=gen, dtype=torch.float64)
+    window = torch.arange(history - w, history)
+    held = []
+    for n_prefix in [100, 70, 30]:  # the last head holds fewer than the budget asks
+        prefix = torch.randperm(history - w, generator=gen)[:n_prefix].sort().values
+        held.append(torch.cat([prefix, window]))
+    slot_keys, pos, alive = scatter_history(keys, held, 30, gen)
+    slots, positions, scores = reselect(q, slot_keys, pos, alive, history, budget, kernel, scaling)
+    keep = min(budget - w, 30)
+    assert positions.shape == slots.shape == scores.shape == (hkv, keep + w)
+    for h in range(hkv):
+        assert set(positions[h].tolist()) <= set(held[h].tolist())
+        assert torch.equal(positions[h], positions[h].sort().values)
+        assert torch.equal(positions[h, -w:], window)
+    assert torch.equal(torch.gather(pos, 1, slots), positions)
+    assert torch.gather(alive, 1, slots).all()
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_reselect_with_every_position_held_equals_stage1(group):
+    gen = torch.Generator().manual_seed(20 + group)
+    hkv, w, d, history, budget, kernel = 2, 8, 16, 130, 40, 7
+    scaling = d ** -0.5
+    q = torch.randn(hkv * group, w, d, generator=gen, dtype=torch.float64)
+    keys = torch.randn(hkv, history, d, generator=gen, dtype=torch.float64)
+    want = snapkv_keep_indices(q, keys, budget, kernel, scaling)
+    everything = [torch.arange(history)] * hkv
+    slot_keys, pos, alive = scatter_history(keys, everything, 25, gen)
+    slots, positions, _ = reselect(q, slot_keys, pos, alive, history, budget, kernel, scaling)
+    assert torch.equal(positions, want)
+    assert torch.equal(torch.gather(pos, 1, slots), want) and torch.gather(alive, 1, slots).all()
+    # The same with the history in position order and no alive mask (how the non-tiered cache calls it).
+    ordered = torch.arange(history).expand(hkv, -1)
+    slots, positions, _ = reselect(q, keys, ordered, None, history, budget, kernel, scaling)
+    assert torch.equal(positions, want) and torch.equal(slots, want)
