@@ -61,13 +61,16 @@ def conversation(idx: int, n_tokens: int, rng: random.Random) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(Path(__file__).parent / "tasks"))
-    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--conversations", type=int, default=16, help="conversations of the 2k and 5k files")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, n_tokens in (("mt_2k.jsonl", 2000), ("mt_5k.jsonl", 5700)):
+    # The 8k file is for the larger evaluation model (budget 256 keeps under a fifth of its history);
+    # 8 conversations of it take about as long as 16 of the others.
+    for name, n_tokens, count in (("mt_2k.jsonl", 2000, args.conversations), ("mt_5k.jsonl", 5700, args.conversations),
+                                  ("mt_8k.jsonl", 8000, max(1, args.conversations // 2))):
         rng = random.Random(n_tokens)
-        rows = [conversation(i, n_tokens, rng) for i in range(args.conversations)]
+        rows = [conversation(i, n_tokens, rng) for i in range(count)]
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0
 

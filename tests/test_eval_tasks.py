@@ -16,11 +16,11 @@ TASKS = Path(make_tasks.__file__).parent / "tasks"
 
 def test_shipped_task_files_are_what_the_generator_writes(tmp_path):
     make_tasks.main(["--out", str(tmp_path)])
-    for name in ("mt_2k.jsonl", "mt_5k.jsonl"):
+    for name in ("mt_2k.jsonl", "mt_5k.jsonl", "mt_8k.jsonl"):
         assert (tmp_path / name).read_text() == (TASKS / name).read_text(), name
 
 
-@pytest.mark.parametrize("name,approx_tokens", [("mt_2k.jsonl", 2000), ("mt_5k.jsonl", 5700)])
+@pytest.mark.parametrize("name,approx_tokens", [("mt_2k.jsonl", 2000), ("mt_5k.jsonl", 5700), ("mt_8k.jsonl", 8000)])
 def test_every_turn_asks_a_different_fact_hidden_in_the_first_message(name, approx_tokens):
     rows = load_tasks(str(TASKS / name))
     assert len(rows) >= 8 and len({r["id"] for r in rows}) == len(rows)
