@@ -33,15 +33,24 @@ def scattered_window_scores(
     if alive is not None:
         hidden |= ~alive.unsqueeze(1)
     probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1).sum(dim=1)  # (Hkv, T)
-    # Put each slot's score at its position; dead slots and the window itself land in a discard column.
+    return scores_by_position(probs, key_pos, alive, history_len, w)
+
+
+def scores_by_position(
+    probs: torch.Tensor, key_pos: torch.Tensor, alive: torch.Tensor | None, history_len: int, w: int
+) -> torch.Tensor:
+    """Slot scores (Hkv, T) -> scores by history position (Hkv, H - w), float32.
+
+    Each slot's score lands at its position; dead slots and the window itself are dropped."""
+    hkv = probs.shape[0]
     prefix = history_len - w
     target = key_pos.clone()
-    drop = target >= prefix
+    drop = (target >= prefix) | (target < 0)
     if alive is not None:
         drop |= ~alive
     target[drop] = prefix
-    out = torch.zeros(hkv, prefix + 1, dtype=torch.float32, device=keys.device)
-    out.scatter_add_(1, target, probs)
+    out = torch.zeros(hkv, prefix + 1, dtype=torch.float32, device=probs.device)
+    out.scatter_add_(1, target, probs.float())
     return out[:, :prefix]
 
 
@@ -65,18 +74,33 @@ def reselect(
     """
     w = q_win.shape[1]
     raw = scattered_window_scores(q_win, keys, key_pos, alive, history_len, scaling)
-    hkv = keys.shape[0]
+    return choose(raw, key_pos, alive, history_len, w, prompt_budget, kernel_size)
+
+
+def choose(
+    raw: torch.Tensor,
+    key_pos: torch.Tensor,
+    alive: torch.Tensor | None,
+    history_len: int,
+    w: int,
+    prompt_budget: int,
+    kernel_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1's choice from raw scores by position (Hkv, H - w): (slot indices, positions, scores),
+    each (Hkv, kept), as ``reselect`` returns them."""
+    hkv = key_pos.shape[0]
+    device = key_pos.device
     # Inverse map position -> slot, from the alive slots only.
-    slot_of = torch.full((hkv, history_len + 1), -1, dtype=torch.long, device=keys.device)
+    slot_of = torch.full((hkv, history_len + 1), -1, dtype=torch.long, device=device)
     target = key_pos.clamp(0, history_len) if alive is None else torch.where(alive, key_pos, history_len)
-    slots = torch.arange(keys.shape[1], device=keys.device).expand(hkv, -1)
+    slots = torch.arange(key_pos.shape[1], device=device).expand(hkv, -1)
     slot_of.scatter_(1, target, slots)
-    # A position no slot holds (a cold token not fetched this turn) cannot be kept; with every
+    # A position no slot holds (a cold token not read this turn) cannot be kept; with every
     # position held (the whole history given) this changes nothing.
     held = slot_of[:, : history_len - w] >= 0
     keep = min(prompt_budget - w, int(held.sum(dim=1).min()))
     smoothed = smooth(raw, kernel_size).masked_fill(~held, float("-inf"))
-    window = torch.arange(history_len - w, history_len, device=keys.device).expand(hkv, w)
+    window = torch.arange(history_len - w, history_len, device=device).expand(hkv, w)
     prefix = select_top(smoothed, keep)
     positions = torch.cat([prefix, window], dim=1)
     return torch.gather(slot_of, 1, positions), positions, kept_scores(raw, prefix, w)

@@ -193,28 +193,35 @@ class ColdLayer:
         ids = [self.heads[i].ids[j] for i, x in enumerate(pages) for j in x.tolist()]
         batch, from_redis = self.host.read_many(self.session_id, ids) if ids else ({}, 0)
         hkv, d = len(self.heads), self.heads[0].kmin.data.shape[1]
-        keys = torch.zeros(hkv, n * p, d, dtype=self.dtype, device=device)
-        values = torch.zeros_like(keys)
-        positions = torch.full((hkv, n * p), -1, dtype=torch.long)
-        alive = torch.zeros(hkv, n * p, dtype=torch.bool)
-        slots = torch.full((hkv, n * p), -1, dtype=torch.long)
-        if ids:
-            k, v = self.codec.decode({name: t.to(device, non_blocking=True) for name, t in batch.items()}, self.dtype)
-            start = 0
-            for i, x in enumerate(pages):
-                m = int(x.numel())
-                if m == 0:
-                    continue
-                h = self.heads[i]
-                keys[i, : m * p] = k[start : start + m].reshape(m * p, d)
-                values[i, : m * p] = v[start : start + m].reshape(m * p, d)
-                positions[i, : m * p] = h.pos.data[x].flatten()
-                alive[i, : m * p] = h.alive.data[x].flatten()
-                slots[i, : m * p] = (x.unsqueeze(1) * p + torch.arange(p)).flatten()
-                start += m
-            traffic.cold_bytes_read += len(ids) * self.host.page_bytes
-            traffic.redis_bytes_read += from_redis
-        return keys, values, positions.to(device), alive.to(device), slots.to(device)
+        counts = [int(x.numel()) for x in pages]
+        if not ids:
+            empty = torch.zeros(hkv, 0, d, dtype=self.dtype, device=device)
+            none = torch.zeros(hkv, 0, dtype=torch.long, device=device)
+            return empty, empty.clone(), none, none.bool(), none.clone()
+        traffic.cold_bytes_read += len(ids) * self.host.page_bytes
+        traffic.redis_bytes_read += from_redis
+        k, v = self.codec.decode({name: t.to(device, non_blocking=True) for name, t in batch.items()}, self.dtype)
+        pos = [h.pos.data[x] for h, x in zip(self.heads, pages)]
+        alive = [h.alive.data[x] for h, x in zip(self.heads, pages)]
+        slots = [(x.unsqueeze(1) * p + torch.arange(p)).flatten() for x in pages]
+        if min(counts) != n:  # heads with fewer live pages: pad them with dead slots
+            k, v = self._pad_heads(k, counts, n), self._pad_heads(v, counts, n)
+            pos = [torch.cat([t, t.new_full((n - c, p), -1)]) for t, c in zip(pos, counts)]
+            alive = [torch.cat([t, t.new_zeros(n - c, p)]) for t, c in zip(alive, counts)]
+            slots = [torch.cat([t, t.new_full(((n - c) * p,), -1)]) for t, c in zip(slots, counts)]
+        # Pages arrive head by head, so (Hkv * n, P, d) is (Hkv, n * P, d) already.
+        return (k.reshape(hkv, n * p, d), v.reshape(hkv, n * p, d), torch.stack(pos).view(hkv, -1).to(device),
+                torch.stack(alive).view(hkv, -1).to(device), torch.stack(slots).to(device))
+
+    @staticmethod
+    def _pad_heads(t: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
+        """Pages (sum(counts), P, d), head by head -> (Hkv * n, P, d) with zero pages after each head's own."""
+        out = t.new_zeros(len(counts) * n, *t.shape[1:])
+        start = 0
+        for i, c in enumerate(counts):
+            out[i * n : i * n + c] = t[start : start + c]
+            start += c
+        return out
 
     def free(self) -> None:
         self.host.free_many(self.session_id, [pid for h in self.heads for pid in h.ids])

@@ -75,12 +75,14 @@ class DeviceMemory:
             if mode in HSA_MODES:
                 bound += pt * (math.ceil(kept_after / page) + 2)
             if mode == "tiered":
-                # One layer's cold pages read back to score (keys and values), and their digests.
-                read = fed
-                if self.digest_candidates is not None:
+                if self.digest_candidates is None:
+                    # Every cold page of one layer read back to score (keys and values), layer by layer.
+                    bound += lt * 2 * (fed + n)
+                else:
+                    # The pages read back for every layer, held until its first decode step settles
+                    # the selection, plus one layer's digests and attention scratch.
                     pages = math.ceil(self.digest_candidates * pb / self.page_tokens)
-                    read = min(fed, pages * self.page_tokens) + 2 * math.ceil(fed / self.page_tokens)
-                bound += lt * 2 * (read + n)
+                    bound += pt * min(fed, pages * self.page_tokens) + lt * 2 * (math.ceil(fed / self.page_tokens) + n)
         return max(bound, held + lt * n)
 
     # --- accounting ----------------------------------------------------------------------------

@@ -14,10 +14,11 @@ from typing import Literal
 
 import torch
 
-from rocketkv_mt.attention_ops import dense_attention
+from rocketkv_mt.attention_ops import dense_attention, positional_attention
 from rocketkv_mt.cache.rocketkv import RocketKVCache
-from rocketkv_mt.cold_select import candidate_pages, page_bounds, window_lse
-from rocketkv_mt.reselect import reselect
+from rocketkv_mt.cold_select import candidate_pages, page_bounds
+from rocketkv_mt.reselect import choose, scattered_window_scores, scores_by_position
+from rocketkv_mt.split_attention import attend_part, merge, window_probs
 from tiers.base import batch_nbytes
 from tiers.codec import PageCodec, RawCodec
 from tiers.cold_layer import ColdLayer
@@ -42,6 +43,23 @@ class TierContext:
     codec: PageCodec = field(default_factory=RawCodec)
 
 
+@dataclass
+class Pending:
+    """A layer's re-selection, computed up to the scores: probs (Hkv, T + M) of the device slots and
+    the read-back slots ``cand`` (keys, values, positions, alive, cold slots), their positions and
+    alive flags, the history length and the window."""
+
+    probs: torch.Tensor
+    key_pos: torch.Tensor
+    alive: torch.Tensor | None
+    cand: tuple
+    total: int
+    w: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.cand[:2])
+
+
 class TieredCache(RocketKVCache):
     mode = "tiered"
 
@@ -55,12 +73,20 @@ class TieredCache(RocketKVCache):
                       spec.head_dim, spec.dtype)
             for i in range(spec.num_layers)
         ]
+        self._pending: list[Pending | None] = [None] * spec.num_layers
 
     def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0) -> None:
+        if prefill:
+            self.settle()
         super().begin_forward(n_new, prefill=prefill, max_new=max_new)
         if prefill:
             self.readmitted = 0
             self.traffic.reset()
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        if self._pending[layer] is not None:  # the first decode step: the turn's selection takes effect
+            self._settle(layer)
+        return super()._attend(layer, q, k, v, scaling)
 
     def prefill_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         store, cold, split = self.layers[layer], self.cold[layer], self.split
@@ -70,60 +96,88 @@ class TieredCache(RocketKVCache):
             self.build_kt(layer)
             self.anchors[layer] = None
             return out
-        dev = self.spec.device
         w = min(split.window_size, n)
-        hist = store.length - n  # primary tokens from earlier turns; the turn's own tokens follow them
         total = self.history_len + n
-        cand = self._read_candidates(layer, q[:, -w:], total, scaling)
-        m = cand[0].shape[1]
-        # History slots first (primary, then the pages read), the turn's tokens last: every history slot
-        # is in the past of every new query, so attention is causal with an offset, not positional.
-        keys = torch.cat([store.keys[:, :hist], cand[0], store.keys[:, hist:]], dim=1)
-        values = torch.cat([store.values[:, :hist], cand[1], store.values[:, hist:]], dim=1)
-        pos = torch.cat([store.positions[:, :hist], cand[2], store.positions[:, hist:]], dim=1)
-        alive = None
-        if m:
-            ones = torch.ones_like(store.positions, dtype=torch.bool)
-            alive = torch.cat([ones[:, :hist], cand[3], ones[:, hist:]], dim=1)
-        if self.tiers.prefill_attention == "dense":
-            out = dense_attention(q, keys, values, scaling, visible=alive)
-        slots, positions, scores = reselect(
-            q[:, -w:], keys, pos, alive, total, split.prompt_budget, split.kernel_size, scaling
-        )
-        d = keys.shape[-1]
-        idx = slots.unsqueeze(-1).expand(-1, -1, d)
-        new_k, new_v = torch.gather(keys, 1, idx), torch.gather(values, 1, idx)
-        from_cold = (slots >= hist) & (slots < hist + m)
-        if m:
-            cold_slot = torch.gather(cand[4], 1, (slots - hist).clamp(0, m - 1))
+        if not cold.has_pages():
+            # Nothing cold yet (a first turn): the device holds the history in order, as SnapKV sees it.
+            out = dense_attention(q, store.keys, store.values, scaling)
+            raw = scattered_window_scores(q[:, -w:], store.keys, store.positions, None, total, scaling)
+            slots, positions, scores = choose(raw, store.positions, None, total, w, split.prompt_budget, split.kernel_size)
+            self._reorganise(layer, slots, positions, scores, None)
+            return self._selected_attention(layer, q, scaling) if self.tiers.prefill_attention == "selected" else out
+        # The device part first (primary set and the turn, the turn causal); its normaliser ranks the
+        # cold pages; the pages read back are the second part; one exact softmax over both.
+        device = attend_part(q, store.keys, store.values, scaling, w, own_tail=n)
+        cand = self._read_candidates(layer, q[:, -w:], device.lse[:, -w:], scaling)
+        parts = [device]
+        if cand[0].shape[1]:
+            parts.append(attend_part(q, cand[0], cand[1], scaling, w, visible=cand[3]))
+        out, lse = merge(parts, q.dtype)
+        probs = torch.cat([window_probs(part, lse) for part in parts], dim=1)
+        key_pos, alive = store.positions, None
+        if len(parts) > 1:
+            key_pos = torch.cat([store.positions, cand[2]], dim=1)
+            alive = torch.cat([torch.ones_like(store.positions, dtype=torch.bool), cand[3]], dim=1)
+        self._pending[layer] = Pending(probs, key_pos, alive, cand, total, w)
+        # The first token needs only this attention; the re-selection (choose, promote, demote, KT)
+        # waits for the layer's first decode step. Reading every page back (exhaustive) would hold a
+        # whole cold history per layer until then, so that rule settles at once.
+        if self.tiers.prefill_attention == "selected" or self.tiers.reselect == "exhaustive":
+            self._settle(layer)
+        return self._selected_attention(layer, q, scaling) if self.tiers.prefill_attention == "selected" else out
+
+    def _settle(self, layer: int) -> None:
+        """Run a layer's pending re-selection on the keys its turn attended to."""
+        p, self._pending[layer] = self._pending[layer], None
+        split = self.split
+        raw = scores_by_position(p.probs, p.key_pos, p.alive, p.total, p.w)
+        slots, positions, scores = choose(raw, p.key_pos, p.alive, p.total, p.w, split.prompt_budget, split.kernel_size)
+        self._reorganise(layer, slots, positions, scores, p.cand)
+
+    def settle(self) -> None:
+        """Every layer's pending re-selection, now (before a new turn, at a turn's end, before persisting)."""
+        for layer, pending in enumerate(self._pending):
+            if pending is not None:
+                self._settle(layer)
+
+    def _selected_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The turn's queries over the new primary set only (which keeps just some of the turn's tokens)."""
+        store = self.layers[layer]
+        return positional_attention(q, self.positions(q.shape[1]), store.keys, store.values, store.positions, None, scaling)
+
+    def _reorganise(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, cand) -> None:
+        """Make the selection (slots (Hkv, kept) into [device slots, read-back slots]) the primary set:
+        promote the cold tokens it took, demote the device tokens it left, rebuild the KT cache."""
+        store, cold = self.layers[layer], self.cold[layer]
+        t, d = store.length, store.keys.shape[-1]
+        keys, values = store.keys, store.values
+        from_cold = slots >= t
+        if cand is not None and cand[0].shape[1]:
+            keys, values = torch.cat([keys, cand[0]], dim=1), torch.cat([values, cand[1]], dim=1)
+            cold_slot = torch.gather(cand[4], 1, (slots - t).clamp(min=0))
             cold.promote(torch.where(from_cold, cold_slot, -1))
             self.readmitted += int(from_cold.sum())
-        # Store slots (primary, then the turn's tokens) that were not kept become cold.
-        store_slot = torch.where(slots < hist, slots, slots - m)
-        kept = torch.zeros(slots.shape[0], store.length + 1, dtype=torch.bool, device=dev)
-        kept.scatter_(1, torch.where(from_cold, store.length, store_slot), True)
-        self.traffic.bytes_demoted += cold.demote(store.keys, store.values, store.positions, ~kept[:, : store.length])
+        idx = slots.unsqueeze(-1).expand(-1, -1, d)
+        new_k, new_v = torch.gather(keys, 1, idx), torch.gather(values, 1, idx)
+        kept = torch.zeros(slots.shape[0], t + 1, dtype=torch.bool, device=slots.device)
+        kept.scatter_(1, torch.where(from_cold, t, slots), True)
+        self.traffic.bytes_demoted += cold.demote(store.keys, store.values, store.positions, ~kept[:, :t])
         store.replace(new_k, new_v, positions)
         self.on_selected(layer, scores)
-        if self.tiers.prefill_attention == "selected":
-            out = dense_attention(q, store.keys, store.values, scaling)
         self.build_kt(layer)
-        return out
 
-    def _read_candidates(self, layer: int, q_win: torch.Tensor, total: int, scaling: float):
+    def _read_candidates(self, layer: int, q_win: torch.Tensor, lse_win: torch.Tensor, scaling: float):
         """The cold pages this turn scores, read from the tiers: keys, values (Hkv, M, d), positions,
         alive, flat cold slots (Hkv, M). ``exhaustive``: all pages with cold tokens; ``digest``: the
-        pages whose bounds rank highest, a budgeted number per KV head."""
+        pages whose bounds rank highest, a budgeted number per KV head. ``lse_win`` (Hq, w): the
+        window rows' normaliser over the device keys."""
         cold, dev = self.cold[layer], self.spec.device
-        if not cold.has_pages():
-            pages = [torch.zeros(0, dtype=torch.long)] * self.spec.num_kv_heads
-        elif self.tiers.reselect == "exhaustive":
+        if self.tiers.reselect == "exhaustive":
             pages = cold.live_pages()
         else:
-            store = self.layers[layer]
             kmin, kmax, live, nbytes = cold.digests(dev)
             self.traffic.digest_bytes_read += nbytes
-            lse = window_lse(q_win, store.keys, store.positions, total, scaling)
+            lse = lse_win.reshape(kmin.shape[0], -1)
             per_head = math.ceil(self.tiers.candidates * self.split.prompt_budget / self.tiers.page_tokens)
             pages = candidate_pages(page_bounds(q_win, kmin, kmax, lse, scaling), live, per_head)
         return cold.fetch(pages, dev, self.traffic)
@@ -140,7 +194,14 @@ class TieredCache(RocketKVCache):
         redis = host.redis.session_bytes(self.tiers.session_id) if host.redis is not None else 0
         return {"device": self.device_bytes(), "host": host.session_bytes(self.tiers.session_id), "redis": redis}
 
+    def end_turn(self) -> None:
+        self.settle()
+
+    def device_bytes(self) -> int:
+        return super().device_bytes() + sum(p.nbytes() for p in self._pending if p is not None)
+
     def release(self) -> None:
+        self._pending = [None] * len(self._pending)
         for cold in self.cold:
             cold.free()
 
@@ -151,6 +212,7 @@ class TieredCache(RocketKVCache):
         host, sid = self.tiers.host, self.tiers.session_id
         if host.redis is None:
             return None
+        self.settle()
         for i, (cold, store) in enumerate(zip(self.cold, self.layers)):
             written = host.persist_many(sid, cold.page_ids())
             if written is None:

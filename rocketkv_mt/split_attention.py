@@ -1,0 +1,82 @@
+"""Exact attention over key sets that arrive in parts, merged by log-sum-exp, with the window's scores.
+
+A tiered turn attends over the keys on the device first and over the cold pages it reads back
+second; which pages to read depends on the first part's normaliser. Each part is computed on its
+own (fp32 softmax, the turn's own tokens causal) and the parts are merged exactly:
+out = Σ_p out_p · exp(lse_p − lse), lse = logsumexp_p lse_p. The last ``w`` query rows are Stage 1's
+observation window; their logits are kept, so the window scores of every slot come out of the same
+pass instead of a second one.
+
+Shapes: Hq query heads, Hkv KV heads, g = Hq / Hkv, n queries (the turn's tokens), T keys of a part,
+w window rows, d head dim. Query head h*g + j reads KV head h.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Query rows per pass: bounds the (rows x keys) fp32 logits of a long turn.
+ROWS = 1024
+
+
+@dataclass
+class Part:
+    out: torch.Tensor  # (Hq, n, d) fp32, normalised over this part's keys (0 where it has none)
+    lse: torch.Tensor  # (Hq, n) fp32 log-sum-exp of this part's logits (-inf where it has none)
+    window_logits: torch.Tensor  # (Hkv, g, w, T) fp32 logits of the window rows (-inf where hidden)
+
+
+def attend_part(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, w: int,
+    own_tail: int = 0, visible: torch.Tensor | None = None,
+) -> Part:
+    """Attention of q (Hq, n, d) over one part's keys/values (Hkv, T, d).
+
+    The last ``own_tail`` keys (== n when given) are the queries' own tokens: query i sees tail key
+    k only for k <= i. Every other key is in every query's past. Slots where ``visible`` (Hkv, T) is
+    False hold no token."""
+    hq, n, d = q.shape
+    hkv, t, _ = keys.shape
+    g = hq // hkv
+    kf, vf = keys.float().transpose(1, 2), values.float()
+    out = torch.empty(hq, n, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(hq, n, dtype=torch.float32, device=q.device)
+    window = None
+    hidden_cols = None if visible is None else ~visible.view(hkv, 1, 1, t)
+    for start in range(0, n, ROWS):
+        stop = min(n, start + ROWS)
+        r = stop - start
+        logits = torch.matmul(q[:, start:stop].reshape(hkv, g * r, d).float(), kf).mul_(scaling).view(hkv, g, r, t)
+        if own_tail:
+            causal = torch.arange(own_tail, device=q.device).view(1, -1) > torch.arange(start, stop, device=q.device).view(-1, 1)
+            logits[..., t - own_tail :].masked_fill_(causal, float("-inf"))
+        if hidden_cols is not None:
+            logits.masked_fill_(hidden_cols, float("-inf"))
+        top = logits.amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        probs = torch.exp(logits - top)
+        total = probs.sum(dim=-1, keepdim=True)
+        o = torch.matmul(probs.view(hkv, g * r, t), vf).view(hkv, g, r, d) / total.clamp_min(1e-30)
+        out[:, start:stop] = o.reshape(hq, r, d)
+        lse[:, start:stop] = (top + torch.log(total)).reshape(hq, r)
+        if stop > n - w:  # the window rows are the last w: keep their logits
+            first = max(start, n - w) - start
+            part = logits[:, :, first:]
+            window = part if window is None else torch.cat([window, part], dim=2)
+    return Part(out, lse, window)
+
+
+def merge(parts: list[Part], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (Hq, n, d) in ``dtype``, lse (Hq, n)) over the union of the parts' keys."""
+    lse = torch.logsumexp(torch.stack([p.lse for p in parts]), dim=0)
+    out = sum(p.out * torch.exp(p.lse - lse).unsqueeze(-1) for p in parts)
+    return out.to(dtype), lse
+
+
+def window_probs(part: Part, lse: torch.Tensor) -> torch.Tensor:
+    """Stage 1's score of each of the part's slots: its softmax mass summed over the window rows and
+    the group's query heads, (Hkv, T). ``lse`` (Hq, n) is the merged one."""
+    hkv, g, w, _ = part.window_logits.shape
+    norm = lse[:, -w:].reshape(hkv, g, w, 1)
+    return torch.exp(part.window_logits - norm).sum(dim=(1, 2))
