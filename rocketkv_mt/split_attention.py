@@ -5,7 +5,7 @@ second; which pages to read depends on the first part's normaliser. Each part is
 own (fp32 softmax, the turn's own tokens causal) and the parts are merged exactly:
 out = Σ_p out_p · exp(lse_p − lse), lse = logsumexp_p lse_p. The last ``w`` query rows are Stage 1's
 observation window; their logits are kept, so the window scores of every slot come out of the same
-pass instead of a second one.
+pass instead of a second one (kept as exponentials, so scoring them is one product, not a new exp).
 
 Shapes: Hq query heads, Hkv KV heads, g = Hq / Hkv, n queries (the turn's tokens), T keys of a part,
 w window rows, d head dim. Query head h*g + j reads KV head h.
@@ -24,7 +24,8 @@ ROWS = 1024
 class Part:
     out: torch.Tensor  # (Hq, n, d) fp32, normalised over this part's keys (0 where it has none)
     lse: torch.Tensor  # (Hq, n) fp32 log-sum-exp of this part's logits (-inf where it has none)
-    window_logits: torch.Tensor  # (Hkv, g, w, T) fp32 logits of the window rows (-inf where hidden)
+    window_probs: torch.Tensor  # (Hkv, g, w, T) fp32 exp(logit - window_top) of the window rows (0 where hidden)
+    window_top: torch.Tensor  # (Hkv, g, w, 1) fp32 the shift of those rows
 
 
 def attend_part(
@@ -60,11 +61,11 @@ def attend_part(
         o = torch.matmul(probs.view(hkv, g * r, t), vf).view(hkv, g, r, d) / total.clamp_min(1e-30)
         out[:, start:stop] = o.reshape(hq, r, d)
         lse[:, start:stop] = (top + torch.log(total)).reshape(hq, r)
-        if stop > n - w:  # the window rows are the last w: keep their logits
+        if stop > n - w:  # the window rows are the last w: keep their shifted exponentials
             first = max(start, n - w) - start
-            part = logits[:, :, first:]
-            window = part if window is None else torch.cat([window, part], dim=2)
-    return Part(out, lse, window)
+            rows = (probs[:, :, first:], top[:, :, first:])
+            window = rows if window is None else tuple(torch.cat([a, b], dim=2) for a, b in zip(window, rows))
+    return Part(out, lse, *window)
 
 
 def merge(parts: list[Part], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +78,6 @@ def merge(parts: list[Part], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
 def window_probs(part: Part, lse: torch.Tensor) -> torch.Tensor:
     """Stage 1's score of each of the part's slots: its softmax mass summed over the window rows and
     the group's query heads, (Hkv, T). ``lse`` (Hq, n) is the merged one."""
-    hkv, g, w, _ = part.window_logits.shape
-    norm = lse[:, -w:].reshape(hkv, g, w, 1)
-    return torch.exp(part.window_logits - norm).sum(dim=(1, 2))
+    hkv, g, w, _ = part.window_probs.shape
+    scale = torch.exp(part.window_top - lse[:, -w:].reshape(hkv, g, w, 1))
+    return torch.matmul(scale.reshape(hkv, 1, g * w), part.window_probs.reshape(hkv, g * w, -1)).squeeze(1)
