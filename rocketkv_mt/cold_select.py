@@ -18,21 +18,11 @@ import torch
 _MAX_LOG_RATIO = 60.0
 
 
-def window_lse(q_win: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, history_len: int, scaling: float) -> torch.Tensor:
-    """Log-sum-exp of each window query's logits over the device slots it may see: (Hkv, g*w)."""
-    hq, w, d = q_win.shape
-    hkv = keys.shape[0]
-    g = hq // hkv
-    logits = torch.matmul(q_win.reshape(hkv, g * w, d).float(), keys.float().transpose(1, 2)) * scaling
-    q_pos = torch.arange(history_len - w, history_len, device=keys.device).repeat(g)
-    hidden = (key_pos.unsqueeze(1) > q_pos.view(1, -1, 1)) | (key_pos.unsqueeze(1) < 0)
-    return torch.logsumexp(logits.masked_fill(hidden, float("-inf")), dim=-1)
-
-
 def page_bounds(q_win: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
     """Upper bound of each cold page's Stage-1 score: (Hkv, N) float32.
 
-    q_win (Hq, w, d); kmin/kmax (Hkv, N, d); lse (Hkv, g*w) from ``window_lse``. The cold pages sit
+    q_win (Hq, w, d); kmin/kmax (Hkv, N, d); lse (Hkv, g*w): each window row's log-sum-exp over the
+    keys on the device (``split_attention``'s first part), rows in q_win.reshape(Hkv, g*w, d) order. The cold pages sit
     before the window (they are history), so every window query may see them."""
     hq, w, d = q_win.shape
     hkv = kmin.shape[0]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rocketkv_mt.cold_select import candidate_pages, page_bounds, window_lse
+from rocketkv_mt.cold_select import candidate_pages, page_bounds
 from rocketkv_mt.reselect import reselect
 from rocketkv_mt.stage1 import snapkv_keep_indices, window_scores
 
@@ -17,6 +17,17 @@ def split_history(hkv: int, history: int, w: int, cold_n: int, gen: torch.Genera
         cold.append(perm[:cold_n].sort().values)
         device.append(torch.cat([perm[cold_n:].sort().values, torch.arange(history - w, history)]))
     return torch.stack(cold), torch.stack(device)
+
+
+def window_lse(q_win, keys, key_pos, history_len, scaling):
+    """Each window row's log-sum-exp over the device slots it may see (dead slots: position -1)."""
+    hq, w, d = q_win.shape
+    hkv = keys.shape[0]
+    g = hq // hkv
+    logits = torch.matmul(q_win.reshape(hkv, g * w, d).float(), keys.float().transpose(1, 2)) * scaling
+    q_pos = torch.arange(history_len - w, history_len).repeat(g)
+    hidden = (key_pos.unsqueeze(1) > q_pos.view(1, -1, 1)) | (key_pos.unsqueeze(1) < 0)
+    return torch.logsumexp(logits.masked_fill(hidden, float("-inf")), dim=-1)
 
 
 @pytest.mark.parametrize("group", [1, 4])

@@ -22,7 +22,9 @@ def batch_nbytes(batch: PageBatch) -> int:
 class TierStats:
     """Counters of one tier. promotions: entries moved up (colder -> this tier); demotions: moved in from
     a warmer tier; spills: entries this tier pushed to a colder one; hits/misses: reads served or not.
-    bytes_read/bytes_written: payload bytes that left or entered this tier (all sessions)."""
+    bytes_read: payload bytes read out of this tier (all sessions; for the host tier that includes
+    pages just brought back from Redis for the read). bytes_written: payload bytes written in from a
+    warmer tier (the device's demotions, or the host's spills and persistence into Redis)."""
 
     bytes: int = 0
     entries: int = 0

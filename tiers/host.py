@@ -112,16 +112,23 @@ class HostTier:
         return {name: t[slot].clone() for name, t in self._pool.items()}
 
     # --- pages -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def put_many(self, session_id: str, page_ids: list[str], batch: PageBatch) -> int:
         """Store pages demoted from the device (copied into slots); returns the bytes written."""
+        nbytes = self._store(session_id, page_ids, batch)
+        self.stats.demotions += len(page_ids)
+        self.stats.bytes_written += nbytes
+        return nbytes
+
+    @torch.inference_mode()
+    def _store(self, session_id: str, page_ids: list[str], batch: PageBatch) -> int:
+        # Inference mode: pool rows written during a model step are inference tensors, writable only there.
         if not page_ids:
             return 0
         self._check_layout(batch)
         step = self.max_slots
         if len(page_ids) > step:  # a batch larger than the pool: each part spills the one before it
             return sum(
-                self.put_many(session_id, page_ids[i : i + step], {k: t[i : i + step] for k, t in batch.items()})
+                self._store(session_id, page_ids[i : i + step], {k: t[i : i + step] for k, t in batch.items()})
                 for i in range(0, len(page_ids), step)
             )
         keys = [(session_id, pid) for pid in page_ids]
@@ -135,8 +142,6 @@ class HostTier:
         nbytes = len(keys) * self._page_bytes
         self.stats.entries += len(keys)
         self.stats.bytes += nbytes
-        self.stats.demotions += len(keys)
-        self.stats.bytes_written += nbytes
         return nbytes
 
     @torch.inference_mode()
@@ -175,9 +180,7 @@ class HostTier:
             self.stats.misses += len(misses)
             self.stats.promotions += len(misses)
             promoted = [keys[i][1] for i in misses]
-            self.put_many(session_id, promoted, {name: t.index_select(0, at) for name, t in out.items()})
-            self.stats.demotions -= len(misses)  # a promotion from Redis, not a demotion from the device
-            self.stats.bytes_written -= len(misses) * self._page_bytes
+            self._store(session_id, promoted, {name: t.index_select(0, at) for name, t in out.items()})
             self._in_redis.update((session_id, pid) for pid in promoted)
         self.stats.bytes_read += len(keys) * self._page_bytes
         return out, len(misses) * self._page_bytes
