@@ -285,7 +285,7 @@ class ChatService:
         if not await self._kv_complete(sid, meta, tier):
             log.warning("session %s: stored KV incomplete (its replica died mid-turn); re-prefilling", sid)
             return None
-        session = restore_session(self.engine, sid)
+        session = restore_session(tier, sid)
         if session is not None:
             self.engine.sessions[sid] = session
         return session

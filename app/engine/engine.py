@@ -116,7 +116,7 @@ class Engine:
             raise SessionNotFound(f"no session {session_id!r}")
         session = self.sessions.get(session_id)
         if session is None and self.redis is not None:
-            session = restore_session(self, session_id)
+            session = restore_session(self.redis, session_id)
             if session is not None and session.owner == owner:
                 self.sessions[session_id] = session
         if session is None or session.owner != owner:
@@ -356,7 +356,7 @@ class Engine:
         if tail:
             yield TextDelta(tail)
         if self.redis is not None:
-            await self._step(lambda: persist_session(self, session))
+            await self._step(lambda: persist_session(self.redis, session))
         yield self._done_event(session, stats, detok.text)
 
     def _finish_turn(

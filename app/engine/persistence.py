@@ -7,19 +7,15 @@ with their messages and token ids and re-prefill the history on their next turn.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
 from app.engine.session import Session, TurnStats
 from rocketkv_mt.config import RocketKVConfig
-
-if TYPE_CHECKING:
-    from app.engine.engine import Engine
+from tiers.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 FORMAT = 1
 
 
-def persist_session(engine: "Engine", session: Session) -> bool:
+def persist_session(redis: RedisTier, session: Session) -> bool:
     """Write the session's metadata (and its KV, for tiered sessions); False when Redis is unavailable."""
     cache = session.cache
     kv_state = cache.persist() if cache is not None else None
@@ -35,11 +31,11 @@ def persist_session(engine: "Engine", session: Session) -> bool:
         "owner": session.owner,
         "kv": kv_state,
     }
-    return engine.redis.put_meta(session.id, meta)
+    return redis.put_meta(session.id, meta)
 
 
-def restore_session(engine: "Engine", session_id: str) -> Session | None:
-    meta = engine.redis.get_meta(session_id)
+def restore_session(redis: RedisTier, session_id: str) -> Session | None:
+    meta = redis.get_meta(session_id)
     if not meta or meta.get("format") != FORMAT or meta.get("id") != session_id:
         return None
     rocket = RocketKVConfig(**meta["rocket"])
