@@ -39,6 +39,7 @@ from api.schemas import (
     UserMessage,
     client_event_adapter,
 )
+from app.contract.errors import ChatError
 from app.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ class ChatConnection:
                     raise ApiError("no_session", "send 'session.create' or 'session.resume' first")
                 self._open_turn = True
                 self.turn = asyncio.get_running_loop().create_task(self._stream(event))
-        except ApiError as exc:
+        except ChatError as exc:
             await self.send_error(exc.code, exc.message)
         except Exception:
             log.exception("event failed")
@@ -228,7 +229,7 @@ class ChatConnection:
         for _ in range(100):
             if turn is not self.turn or not self.generating:
                 return
-            with contextlib.suppress(ApiError):
+            with contextlib.suppress(ChatError):
                 if await self.backend.cancel(self.session_id, self.token, self.owner):
                     return
             await asyncio.sleep(0.05)

@@ -1,9 +1,9 @@
 """What one chat replica does: an ``Engine`` plus session secrets, persistence and restore.
 
 The same object serves in-process (tests, ``serve --no-ray``) and inside a Ray Serve replica.
-Every method speaks plain data (dicts shaped like ``api.schemas``) so that it can cross a Ray
-boundary. Errors become ``EngineError`` subclasses for unary calls and ``error`` events for
-streamed turns.
+Every method speaks plain data (dicts, and the turn events of ``app.contract.events``) so that it
+can cross a Ray boundary. Errors are ``app.contract.errors`` classes for unary calls and a
+``TurnFailed`` event for streamed turns.
 
 Access: a session answers only to its owner (the API key that made it, ``None`` without keys)
 together with its token; an id that is malformed, unknown, or someone else's gets the same
@@ -22,24 +22,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import dataclasses
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from api.backend import is_session_id
-from api.errors import error_event
-from api.schemas import DeltaEvent, DoneEvent, MemoryModel, UsageModel
-from app.engine.engine import Engine
-from app.engine.errors import (
-    EngineError,
+from app.contract.errors import (
+    ChatError,
+    HistoryMismatch,
     InvalidRequest,
     InvalidSamplingParams,
     MessageTooLarge,
     SessionBusy,
     SessionNotFound,
+    StoreUnavailable,
+    TooManySessions,
 )
+from app.contract.events import Delta, Done, TurnEvent, TurnFailed, TurnStarted
+from app.contract.ids import is_session_id, new_session_token
+from app.engine.engine import Engine
 from app.engine.events import TextDelta, TurnDone
 from app.engine.persistence import restore_session
 from app.engine.sampling import SamplingParams
@@ -66,18 +68,6 @@ SAMPLING_FLOOR = 1e-6
 MAX_SEED = 2**63 - 1
 
 
-class HistoryMismatch(InvalidRequest):
-    code = "history_mismatch"
-
-
-class TooManySessions(EngineError):
-    code = "too_many_sessions"
-
-
-class StoreUnavailable(EngineError):
-    code = "store_unavailable"
-
-
 def checked_sampling(sampling: dict[str, Any] | None) -> SamplingParams:
     """``SamplingParams`` plus the bounds the sampler itself needs (found by fuzzing: smaller values
     become 0 in float32, or push the logits to inf, and the turn fails)."""
@@ -87,10 +77,6 @@ def checked_sampling(sampling: dict[str, Any] | None) -> SamplingParams:
     if params.seed is not None and params.seed > MAX_SEED:
         raise InvalidSamplingParams(f"seed must be at most {MAX_SEED} (torch seeds are 64-bit)")
     return params
-
-
-def new_token() -> str:
-    return secrets.token_urlsafe(24)
 
 
 class ChatService:
@@ -348,7 +334,7 @@ class ChatService:
         }
 
     async def _adopt(self, session: Session) -> dict[str, Any]:
-        token = new_token()
+        token = new_session_token()
         self._digests[session.id] = token_digest(token)
         self._versions[session.id] = None
         await self._persist(session)
@@ -464,7 +450,7 @@ class ChatService:
         return {"redis": {"ok": not errors, "error": "; ".join(errors) or None}, "unsaved_sessions": len(self._dirty)}
 
     def _memory(self, session: Session) -> dict[str, Any]:
-        return MemoryModel.model_validate(self.engine.memory(session), from_attributes=True).model_dump()
+        return dataclasses.asdict(self.engine.memory(session))
 
     def stats(self) -> dict[str, Any]:
         """Totals of this replica: bytes held per tier, entries moved between tiers, and the payload
@@ -495,9 +481,9 @@ class ChatService:
         sampling: dict[str, Any] | None = None,
         history: list[list[str]] | None = None,
         owner: str | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Stream one turn: ``start`` (internal: the turn was accepted, and where), ``delta``
-        events, then ``done``; or a single ``error`` when the turn cannot start.
+    ) -> AsyncIterator[TurnEvent]:
+        """Stream one turn: ``TurnStarted`` (the turn was accepted, and where), ``Delta``s, then
+        ``Done``; or a single ``TurnFailed`` when the turn cannot start.
 
         ``history``, when given, is the [role, content] list the caller believes the session
         holds; a different history ends the call with ``history_mismatch`` before any work.
@@ -511,24 +497,24 @@ class ChatService:
                 raise InvalidRequest("the message is not valid Unicode text (a lone surrogate)")
             params = checked_sampling(sampling)
             stream = await self.engine.chat(sid, content, params, owner)
-        except EngineError as exc:
-            yield error_event(exc.code, exc.message)
+        except ChatError as exc:
+            yield TurnFailed.of(exc)
             return
         except Exception:  # a bug, not the client's fault; the session is unchanged (nothing started)
             log.exception("turn of session %s could not start", sid)
-            yield error_event("internal_error", "the turn could not start")
+            yield TurnFailed("internal_error", "the turn could not start")
             return
-        yield {"type": "start", "session_id": sid, "replica": self.replica}
+        yield TurnStarted(session_id=sid, replica=self.replica)
         done: TurnDone | None = None
         try:
             async for event in stream:
                 if isinstance(event, TextDelta):
-                    yield DeltaEvent(text=event.text).model_dump()
+                    yield Delta(event.text)
                 else:
                     done = event
         except Exception as exc:  # the engine logged it; the session stays usable (cache rebuilt)
             await self._persist(session)
-            yield error_event("internal_error", f"the turn failed: {type(exc).__name__}")
+            yield TurnFailed("internal_error", f"the turn failed: {type(exc).__name__}")
             return
         except BaseException:
             # Abandoned by the consumer: the engine ended the turn as cancelled; keep that state.
@@ -542,13 +528,13 @@ class ChatService:
             await stream.aclose()
         await self._persist(session)
 
-    def _done(self, session: Session, done: TurnDone) -> dict[str, Any]:
-        return DoneEvent(
+    def _done(self, session: Session, done: TurnDone) -> Done:
+        return Done(
             finish_reason=done.finish_reason,
-            usage=UsageModel.model_validate(done.usage, from_attributes=True),
-            memory=MemoryModel.model_validate(done.memory, from_attributes=True),
+            usage=done.usage,
+            memory=done.memory,
             replica=self.replica,
             session_id=session.id,
             ttft_ms=done.ttft_ms,
             latency_ms=done.latency_ms,
-        ).model_dump()
+        )

@@ -16,7 +16,7 @@ from serving_helpers import REDIS_URL, WsChat, local_server, redis_available
 from api.backend import LocalBackend
 from api.routes import create_app
 from app.chat_service import ChatService
-from app.serve import with_stats_route
+from api.server import with_stats_route
 from tiers.base import TierStats
 from tiers.host import HostTier
 

@@ -25,7 +25,7 @@ class FakeReplica:
 
 
 def test_router_prefers_the_holder_then_a_stable_hash():
-    from app.ray_router import pick_replica
+    from api.ray_router import pick_replica
 
     a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
     sessions = [f"s_{i}" for i in range(200)]
@@ -45,7 +45,7 @@ def cluster():
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    from app.serve import deploy
+    from api.deployment import deploy
     from app.settings import ServerSettings
 
     settings = ServerSettings(

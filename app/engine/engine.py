@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+from app.contract.ids import new_session_id
 from app.engine.batcher import Batcher
 from app.engine.chat_format import ChatFormat
 from app.engine.detokenizer import Detokenizer
@@ -87,7 +88,7 @@ class Engine:
             window_size=self.settings.window_size,
             kernel_size=self.settings.kernel_size,
         )
-        sid = Session.new_id()
+        sid = new_session_id()
         session = Session(id=sid, mode=mode, rocket=rocket, cache=self.new_cache(mode, rocket, sid))
         if system:
             session.messages.append({"role": "system", "content": system})
