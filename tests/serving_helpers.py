@@ -15,22 +15,10 @@ import httpx
 import uvicorn
 from websockets.asyncio.client import connect
 
-REDIS_URL = os.environ.get("RKV_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def redis_available() -> bool:
-    import redis
-
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
-    except Exception:
-        return False
 
 
 class ServerThread:

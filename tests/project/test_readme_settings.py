@@ -13,7 +13,7 @@ from pathlib import Path
 
 from app.settings import ServeSettings, ServerSettings, Settings
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 VARIABLE = re.compile(r"`RKV_([A-Z0-9_]+)`")
 LITERAL = re.compile(r"`([^`]*)`")
 

@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosed
 KEY_A, KEY_B = "alpha-" + uuid.uuid4().hex, "beta-" + uuid.uuid4().hex
 A = {"Authorization": f"Bearer {KEY_A}"}
 B = {"Authorization": f"Bearer {KEY_B}"}
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
