@@ -55,3 +55,17 @@ def restore_session(redis: RedisTier, session_id: str) -> Session | None:
     # re-prefill of the history.
     session.parked_kv = meta.get("kv")
     return session
+
+
+def kv_keys(redis: RedisTier, session_id: str, meta: dict) -> list[str]:
+    """The Redis keys the KV state in ``meta`` refers to: each layer's primary set and page index.
+
+    A turn rewrites them at its end-of-turn save; a replica killed before the first save, or a cache
+    released after it, leaves some missing, and then the record's KV must not be trusted. (Cold pages
+    themselves are never freed while the cache lives; one missing later is a rebuild at read time.)
+    """
+    kv = meta.get("kv")
+    if kv is None:
+        return []  # messages and token ids only: the history is re-prefilled anyway
+    layers = kv["cold"]
+    return [redis.chunk_key(session_id, f"{kind}-l{i}") for i in range(len(layers)) for kind in ("primary", "index")]

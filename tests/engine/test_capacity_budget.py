@@ -22,7 +22,7 @@ def bound_of_first_turn(engine, mode: str, text: str) -> int:
     probe = engine.create_session(mode=mode, budget=64)
     n = len(engine._turn_ids(probe, text))
     bound = engine.memory_account.turn_bound(probe, n, PARAMS.max_tokens)
-    del engine.sessions[probe.id]
+    engine.drop(probe.id)
     return bound
 
 
