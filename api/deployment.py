@@ -20,6 +20,7 @@ from ray.serve.config import RequestRouterConfig
 
 from api.server import build_service, served_model_name, with_stats_route
 from app.contract.errors import ChatError
+from app.contract.events import TurnStarted
 from app.settings import ServerSettings
 
 # Read at import because the decorator needs it at class creation (replicas inherit the env).
@@ -88,7 +89,7 @@ class ChatReplica:
 
     async def chat(self, sid, token, content, sampling, history=None, owner=None):
         async for event in self.service.chat(sid, token, content, sampling, history, owner):
-            if event["type"] == "start":
+            if event.type == TurnStarted.type:
                 await self._hold(sid)
             yield event
 
