@@ -23,6 +23,7 @@ ARG TORCH_INDEX_URL=
 RUN pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 
 COPY pyproject.toml README.md ./
+COPY cli ./cli
 COPY app ./app
 COPY api ./api
 COPY rocketkv_mt ./rocketkv_mt

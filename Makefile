@@ -1,4 +1,4 @@
-# Two commands for a user: `make serve` and `make test`. Both set up .venv from nothing.
+# Two commands for a user: `make serve` and `make test` (which runs `make lint` first). Both set up .venv from nothing.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-done
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test serve model model-qwen clean
+.PHONY: setup lint test serve model model-qwen clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,12 @@ model: setup
 model-qwen: setup
 	$(VENV)/bin/rocketkv-mt model fetch qwen2.5-coder-0.5b
 
-test: setup
+# Imports point one way (cli > bench > api > app > rocketkv_mt > tiers) and form no cycles; ruff (pyproject.toml).
+lint: setup
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 serve: setup

@@ -1,38 +1,23 @@
 """What the HTTP layer needs from whatever runs the sessions, and the in-process implementation.
 
 The routes only see a ``Backend``: ``LocalBackend`` calls a ``ChatService`` in this process;
-``app.ray_backend.RayBackend`` sends each call to the Ray Serve replica that holds the session.
-Unary calls raise ``ApiError``; ``chat`` yields event dicts and reports failures as one
-``error`` event. ``owner`` is the caller's identity (``api.auth``; None without API keys): a
+``api.ray_backend.RayBackend`` sends each call to the Ray Serve replica that holds the session.
+Unary calls raise ``app.contract.errors`` classes; ``chat`` yields wire event dicts
+(``api.wire``) and reports failures as one ``error`` event. ``owner`` is the caller's identity (``api.auth``; None without API keys): a
 session answers only to its owner and its token.
 """
 from __future__ import annotations
 
-import re
-import secrets
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from api.errors import ApiError
-from app.engine.errors import EngineError
+from api.wire import wire_event
+from app.contract.ids import new_session_id
 
 if TYPE_CHECKING:  # the service pulls in torch; a Ray ingress only needs this module's interface
     from app.chat_service import ChatService
-
-
-# What ``new_session_id`` makes (and a little slack). Anything else cannot be a session, and must not
-# reach routing or Redis key names (``:`` or glob characters there would address other keys).
-SESSION_ID = re.compile(r"s_[A-Za-z0-9_-]{1,64}")
-
-
-def new_session_id() -> str:
-    """Chosen here, before any replica is involved, because the Ray router keys on it (engine format)."""
-    return "s_" + secrets.token_urlsafe(18)
-
-
-def is_session_id(value: Any) -> bool:
-    return isinstance(value, str) and SESSION_ID.fullmatch(value) is not None
 
 
 class Backend(ABC):
@@ -107,10 +92,7 @@ class LocalBackend(Backend):
         await self.service.close()
 
     async def _call(self, method, *args):
-        try:
-            return await method(*args)
-        except EngineError as exc:
-            raise ApiError(exc.code, exc.message) from None
+        return await method(*args)  # the service's errors are the contract's: the routes answer them
 
     async def create_session(self, mode, budget, system, owner=None):
         return await self._call(self.service.create, new_session_id(), mode, budget, system, owner)
@@ -144,8 +126,11 @@ class LocalBackend(Backend):
             return local
         return local + [s for s in stored if s["session_id"] not in held]
 
-    def chat(self, sid, token, content, sampling, history=None, owner=None):
-        return self.service.chat(sid, token, content, sampling, history, owner)
+    async def chat(self, sid, token, content, sampling, history=None, owner=None):
+        # aclosing: a caller that leaves early closes the service's turn now (it ends as cancelled).
+        async with contextlib.aclosing(self.service.chat(sid, token, content, sampling, history, owner)) as events:
+            async for event in events:
+                yield wire_event(event)
 
     async def stats(self):
         return self.service.stats()

@@ -1,12 +1,15 @@
 """Error codes to HTTP statuses, and the one error body every HTTP endpoint returns.
 
 Body: ``{"error": {"code", "message", "type", "param"}}`` (the OpenAI shape, with our ``code``).
+The codes themselves are the service's (``app.contract.errors``) plus the ones only this layer
+can detect, raised as ``ApiError``.
 """
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
 from api.schemas import ErrorBody, ErrorDetail, ErrorEvent
+from app.contract.errors import ChatError
 
 STATUS = {
     "unauthorized": 401,
@@ -34,13 +37,12 @@ TYPES = {
 }
 
 
-class ApiError(Exception):
-    """An error with a stable code; also how backends report failures of unary calls."""
+class ApiError(ChatError):
+    """An error of the protocol layer (a bad frame, a missing key, ...), or any code with a set status."""
 
     def __init__(self, code: str, message: str, status: int | None = None):
         super().__init__(message)
         self.code = code
-        self.message = message
         self.status = status or STATUS.get(code, 400)
 
     @classmethod
@@ -48,13 +50,18 @@ class ApiError(Exception):
         return cls(event.get("code", "internal_error"), event.get("message", ""))
 
 
+def http_status(exc: ChatError) -> int:
+    return getattr(exc, "status", None) or STATUS.get(exc.code, 400)
+
+
 def error_body(code: str, message: str, status: int) -> dict:
     detail = ErrorDetail(code=code, message=message, type=TYPES.get(status, "invalid_request_error"))
     return ErrorBody(error=detail).model_dump()
 
 
-def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(exc.code, exc.message, exc.status), status_code=exc.status, headers=headers)
+def error_response(exc: ChatError, headers: dict[str, str] | None = None) -> JSONResponse:
+    status = http_status(exc)
+    return JSONResponse(error_body(exc.code, exc.message, status), status_code=status, headers=headers)
 
 
 def error_event(code: str, message: str) -> dict:

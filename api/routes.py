@@ -24,6 +24,7 @@ from api.limits import BodyLimit
 from api.metrics import CONTENT_TYPE, Metrics
 from api.schemas import Health
 from api.ws import ChatConnection
+from app.contract.errors import ChatError
 from app.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,8 @@ def create_app(backend: Backend, settings: ServeSettings | None = None) -> FastA
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, metrics=metrics)
     app.add_middleware(ReplicaHeader, replica=backend.replica)
 
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError):
+    @app.exception_handler(ChatError)  # the service's errors and this layer's own (ApiError)
+    async def api_error(_: Request, exc: ChatError):
         metrics.errors.labels(exc.code).inc()
         return error_response(exc)
 

@@ -10,7 +10,8 @@ client → server
   ``session.resume``  {session_id, token?}               bind an existing session (token required
                                                          when the server issued one)
   ``message``         {content, max_tokens?, temperature?, top_p?, stop?, seed?}
-  ``cancel``          {}                                 stop the reply being generated
+  ``cancel``          {}                                 stop the reply being generated (answered by its
+                                                         ``done``; with none under way: ``no_active_turn``)
 server → client
   ``authenticated``  {}                                  the ``auth`` frame was accepted
   ``session``  {session_id, token, mode, budget, replica}
@@ -24,7 +25,8 @@ Error codes besides the engine's (``session_not_found``, ``session_busy``, ``emp
 ``message_too_large``, ``max_tokens_too_large``, ``invalid_sampling_params``, ``unknown_mode``,
 ``context_length_exceeded``): ``invalid_json`` (frame is not a JSON object, or not UTF-8),
 ``invalid_event`` (fields missing or of the wrong type), ``unknown_type`` (no such event type),
-``no_session`` (message before create/resume), ``unauthorized`` (missing or wrong API key),
+``no_session`` (message before create/resume), ``no_active_turn`` (cancel with no turn under
+way), ``unauthorized`` (missing or wrong API key),
 ``rate_limited`` (frame over the connection's rate; dropped), ``too_many_sessions`` (the replica
 is full), ``replica_unavailable`` (the replica died mid-turn; the next turn resumes from the last
 saved state), ``internal_error``. README's error table lists them all with their HTTP statuses.

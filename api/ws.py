@@ -1,7 +1,8 @@
 """The WebSocket chat protocol (see ``api.schemas`` for the events and error codes).
 
 One connection binds at most one session at a time. The reader keeps reading while a reply
-streams, so ``cancel`` works mid-turn; a second ``message`` during a turn gets ``session_busy``.
+streams, so ``cancel`` works mid-turn; a second ``message`` during a turn gets ``session_busy``,
+and a ``cancel`` with no turn under way gets ``no_active_turn``: every client event is answered.
 Closing the socket mid-turn cancels the turn (the partial reply stays in the history).
 
 With API keys configured the connection is authenticated once: by the handshake's
@@ -39,6 +40,7 @@ from api.schemas import (
     UserMessage,
     client_event_adapter,
 )
+from app.contract.errors import ChatError
 from app.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -199,7 +201,7 @@ class ChatConnection:
                     raise ApiError("no_session", "send 'session.create' or 'session.resume' first")
                 self._open_turn = True
                 self.turn = asyncio.get_running_loop().create_task(self._stream(event))
-        except ApiError as exc:
+        except ChatError as exc:
             await self.send_error(exc.code, exc.message)
         except Exception:
             log.exception("event failed")
@@ -220,15 +222,18 @@ class ChatConnection:
         await self.send(SessionEvent(**info).model_dump())
 
     async def _cancel(self) -> None:
-        if self.generating:
-            self._canceller = asyncio.get_running_loop().create_task(self._cancel_when_started(self.turn))
+        """Stop the turn under way; its ``done`` (``finish_reason: cancelled``) is the answer.
+        With no turn under way the answer is ``no_active_turn``: every client event gets one."""
+        if not self.generating:
+            raise ApiError("no_active_turn", "no reply is being generated on this connection; nothing to cancel")
+        self._canceller = asyncio.get_running_loop().create_task(self._cancel_when_started(self.turn))
 
     async def _cancel_when_started(self, turn: asyncio.Task) -> None:
         # The turn may not have reached its replica yet; keep asking until it stops or ends.
         for _ in range(100):
             if turn is not self.turn or not self.generating:
                 return
-            with contextlib.suppress(ApiError):
+            with contextlib.suppress(ChatError):
                 if await self.backend.cancel(self.session_id, self.token, self.owner):
                     return
             await asyncio.sleep(0.05)

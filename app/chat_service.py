@@ -1,81 +1,60 @@
-"""What one chat replica does: an ``Engine`` plus session secrets, persistence and restore.
+"""What one chat replica does: an ``Engine`` behind the session verbs its callers use.
 
 The same object serves in-process (tests, ``serve --no-ray``) and inside a Ray Serve replica.
-Every method speaks plain data (dicts shaped like ``api.schemas``) so that it can cross a Ray
-boundary. Errors become ``EngineError`` subclasses for unary calls and ``error`` events for
-streamed turns.
+Every method speaks plain data (dicts, and the turn events of ``app.contract.events``) so that it
+can cross a Ray boundary. Errors are ``app.contract.errors`` classes for unary calls and a
+``TurnFailed`` event for streamed turns.
 
-Access: a session answers only to its owner (the API key that made it, ``None`` without keys)
-together with its token; an id that is malformed, unknown, or someone else's gets the same
-``session_not_found``, before anything is looked up in Redis for it.
-
-Persistence: with a ``SessionStore``, a session is written after creation and after every turn,
-before the turn's ``done`` event leaves, so whoever sees ``done`` can rely on another replica
-restoring that state. While Redis is unreachable turns go on in memory; the sessions whose save
-failed are retried by the housekeeping loop until Redis takes them again (``unsaved_sessions``).
-
-Memory: at most ``max_sessions`` sessions are held; idle ones that Redis keeps leave first (after
-``idle_evict_s``, or earlier when room is needed), then new sessions get ``too_many_sessions``.
+The jobs behind the verbs live in their own modules: who may open a session
+(``app.session_access``), which sessions stay in memory (``app.session_residency``), and the
+compare-and-set records in Redis that let any replica restore a session (``app.session_repository``).
+This class puts them in order for each verb and runs the housekeeping loop (idle eviction, saves
+that failed while Redis was down, this replica's stats).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from api.backend import is_session_id
-from api.errors import error_event
-from api.schemas import DeltaEvent, DoneEvent, MemoryModel, UsageModel
-from app.engine.engine import Engine
-from app.engine.errors import (
-    EngineError,
+from app.contract.errors import (
+    ChatError,
+    HistoryMismatch,
     InvalidRequest,
     InvalidSamplingParams,
-    MessageTooLarge,
     SessionBusy,
-    SessionNotFound,
 )
+from app.contract.events import Delta, Done, TurnEvent, TurnFailed, TurnStarted
+from app.engine.engine import Engine
 from app.engine.events import TextDelta, TurnDone
-from app.engine.persistence import restore_session
 from app.engine.sampling import SamplingParams
 from app.engine.session import Session
+from app.replica_status import redis_health, replica_totals
+from app.session_access import SessionAccess, refuse
+from app.session_repository import SessionRepository
+from app.session_residency import Residency
 from app.session_restore import (
     budget_of,
+    check_new,
     create_with_id,
+    detail,
     export,
     is_unicode,
-    record,
-    restore,
     seed_session,
     summary,
-    token_digest,
-    token_matches,
 )
 from app.session_store import SessionStore
 
 log = logging.getLogger(__name__)
 STATS_PUSH_S = 5.0
 TICK_S = 1.0  # housekeeping period: unsaved sessions are retried this often while Redis is down
-HEALTH_TIMEOUT_S = 2.0
 SAMPLING_FLOOR = 1e-6
 MAX_SEED = 2**63 - 1
-
-
-class HistoryMismatch(InvalidRequest):
-    code = "history_mismatch"
-
-
-class TooManySessions(EngineError):
-    code = "too_many_sessions"
-
-
-class StoreUnavailable(EngineError):
-    code = "store_unavailable"
 
 
 def checked_sampling(sampling: dict[str, Any] | None) -> SamplingParams:
@@ -87,10 +66,6 @@ def checked_sampling(sampling: dict[str, Any] | None) -> SamplingParams:
     if params.seed is not None and params.seed > MAX_SEED:
         raise InvalidSamplingParams(f"seed must be at most {MAX_SEED} (torch seeds are 64-bit)")
     return params
-
-
-def new_token() -> str:
-    return secrets.token_urlsafe(24)
 
 
 class ChatService:
@@ -106,13 +81,10 @@ class ChatService:
         self.replica = replica_id or f"local-{os.getpid()}"
         self.store = store
         self.idle_evict_s = idle_evict_s
-        self.max_sessions = max_sessions
-        self._digests: dict[str, str] = {}
-        self._dirty: set[str] = set()  # sessions whose latest state Redis does not have
-        # Store version each local session was last saved or loaded at; None = never saved.
-        self._versions: dict[str, int | None] = {}
+        self.access = SessionAccess()
+        self.repository = SessionRepository(engine, store, self.replica, self.stats) if store is not None else None
+        self.residency = Residency(engine, self._can_leave, self._forget, max_sessions, idle_evict_s)
         self._restore_lock = asyncio.Lock()
-        self._save_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._housekeeper: asyncio.Task | None = None
 
@@ -129,10 +101,8 @@ class ChatService:
                 await self._housekeeper
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.store is not None:
-            with contextlib.suppress(Exception):
-                await self.store.drop_replica_stats(self.replica)
-            await self.store.close()
+        if self.repository is not None:
+            await self.repository.close()
         self.engine.close()
 
     def _spawn(self, coro) -> None:
@@ -144,198 +114,65 @@ class ChatService:
         last_push = 0.0
         while True:
             try:
-                self._evict_idle()
-                if self.store is not None:
-                    await self._save_unsaved()
+                if self.repository is not None:
+                    self.residency.evict_idle()
+                    await self.repository.save_unsaved(self.access.digest)
                     if time.monotonic() - last_push >= STATS_PUSH_S:
                         last_push = time.monotonic()
-                        await self.store.put_replica_stats(self.replica, self.stats(), ttl_s=int(STATS_PUSH_S * 4))
-            except Exception as exc:
+                        await self.repository.push_stats()
+            except Exception as exc:  # housekeeping must go on whatever one round hit
                 log.info("housekeeping: %s: %s", type(exc).__name__, exc)
             await asyncio.sleep(min(TICK_S, self.idle_evict_s / 2))
 
-    async def _save_unsaved(self) -> None:
-        for sid in list(self._dirty):
-            session = self.engine.sessions.get(sid)
-            if session is None:
-                self._dirty.discard(sid)
-            elif not session.busy:  # a busy one is saved at the end of its turn anyway
-                await self._persist(session, quiet=True)
-
-    def _evictable(self, sid: str, session: Session) -> bool:
+    # --- the jobs, put together ----------------------------------------------------------------
+    def _can_leave(self, session: Session) -> bool:
         """Idle, and Redis has its latest state: dropping it from memory loses nothing."""
-        return not session.busy and bool(self._versions.get(sid)) and sid not in self._dirty
-
-    def _evict_idle(self) -> None:
-        """Drop sessions idle too long from memory, but only those the store can give back."""
-        if self.store is None:
-            return
-        cutoff = time.time() - self.idle_evict_s
-        for sid, session in list(self.engine.sessions.items()):
-            if session.last_used < cutoff and self._evictable(sid, session):
-                self._forget(sid)
-
-    def _make_room(self, keep: str | None = None) -> bool:
-        """Bring the sessions held under ``max_sessions`` by dropping the least recently used
-        idle ones that Redis keeps; False when that is not enough."""
-        if self.max_sessions is None:
-            return True
-        held = self.engine.sessions
-        if len(held) < self.max_sessions:
-            return True
-        for sid, session in sorted(held.items(), key=lambda item: item[1].last_used):
-            if sid != keep and self._evictable(sid, session):
-                self._forget(sid)
-                if len(held) < self.max_sessions:
-                    return True
-        return False
+        return self.repository is not None and not session.busy and self.repository.stored(session.id)
 
     def _forget(self, sid: str) -> None:
-        """Drop a session from this process's memory; its Redis state (if any) stays as it is."""
-        self.engine.sessions.pop(sid, None)
-        self._digests.pop(sid, None)
-        self._versions.pop(sid, None)
-        self._dirty.discard(sid)
-        host = getattr(self.engine, "host_tier", None)
-        if host is not None:
-            # Not cache.release(): that deletes the Redis copies the stored state refers to.
-            host.drop_session(sid)
+        """Drop a session from this process (device memory and host-tier pages freed); Redis keeps its state."""
+        self.engine.drop(sid)
+        self.access.forget(sid)
+        if self.repository is not None:
+            self.repository.forget(sid)
 
-    # --- lookup, restore and persistence -------------------------------------------------------
-    def _check(self, session: Session, token: str | None, owner: str | None) -> None:
-        if session.owner != owner or not token_matches(token, self._digests.get(session.id)):
-            raise SessionNotFound(f"no session {session.id!r}")
+    async def _persist(self, session: Session, quiet: bool = False) -> None:
+        digest = self.access.digest(session.id)
+        if self.repository is not None and digest is not None:
+            await self.repository.save(session, digest, quiet)
 
     async def _session(self, sid: str, token: str | None, owner: str | None) -> tuple[Session, bool]:
         """The session if ``owner`` and ``token`` open it, restoring it from the store when it is not here.
 
         A missing session, a wrong token and another owner raise the same error, so ids cannot be probed.
         """
-        if not is_session_id(sid):
-            raise SessionNotFound("no such session")
+        self.access.check_id(sid)
         session = self.engine.sessions.get(sid)
         if session is not None:
-            self._check(session, token, owner)
-            if self.store is not None and not session.busy:
-                session = await self._unless_stale(session)
-        restored = False
+            self.access.check(session, token, owner)
+            if self.repository is not None and not session.busy and await self.repository.is_stale(session):
+                self._forget(sid)
+                session = None
+        restored = session is None
         if session is None:
             session = await self._restore(sid, token, owner)
-            restored = True
-        self._check(session, token, owner)
+        self.access.check(session, token, owner)
         return session, restored
 
-    async def _unless_stale(self, session: Session) -> Session | None:
-        try:
-            stored = await self.store.version(session.id)
-        except Exception:
-            log.warning("session store unreachable; using the local copy of %s", session.id, exc_info=True)
-            return session
-        local = self._versions.get(session.id)
-        if stored is None:
-            self._versions[session.id] = None  # expired from the store: the next save recreates it
-            return session
-        if local is None or stored > local:
-            log.info("local copy of session %s is stale (v%s < v%s); restoring", session.id, local, stored)
-            self._forget(session.id)
-            return None
-        return session
-
     async def _restore(self, sid: str, token: str | None, owner: str | None) -> Session:
-        if self.store is None:
-            raise SessionNotFound(f"no session {sid!r}")
+        if self.repository is None:
+            raise refuse(sid)
         async with self._restore_lock:
             session = self.engine.sessions.get(sid)
             if session is not None:
                 return session
-            try:
-                loaded = await self.store.load(sid)
-            except Exception as exc:
-                log.warning("cannot restore %s: session store unreachable (%s)", sid, exc)
-                raise StoreUnavailable("the session is not on this replica and Redis is unreachable") from None
-            if (
-                loaded is None
-                or loaded[0].get("owner") != owner
-                or not token_matches(token, loaded[0].get("token_sha256"))
-            ):
-                raise SessionNotFound(f"no session {sid!r}")
+            loaded = await self.repository.load(sid)
+            self.access.check_record(sid, loaded[0] if loaded else None, token, owner)
             data, version = loaded
-            self._make_room(keep=sid)  # a stored session always comes back; others idle make way
-            session = await self._engine_restore(sid, data) or restore(self.engine, data)
-            session.owner = data.get("owner")
-            self._digests[sid] = data["token_sha256"]
-            self._versions[sid] = version
-            log.info("restored session %s (v%d, %d tokens) on %s", sid, version, len(session.token_ids), self.replica)
+            self.residency.make_room(keep=sid)  # a stored session always comes back; others idle make way
+            session = await self.repository.revive(sid, data, version)
+            self.access.grant(sid, data["token_sha256"])
             return session
-
-    async def _engine_restore(self, sid: str, data: dict[str, Any]) -> Session | None:
-        """The engine's own stored copy, when it is the same conversation as our record.
-
-        It can bring a tiered session's KV back without re-prefilling; metadata-only modes gain
-        nothing but lose nothing either. A copy that differs (a replica died between the two
-        writes) is ignored in favour of our record, which the client's last ``done`` vouches for;
-        so is one whose KV is no longer all in Redis (see ``_kv_complete``).
-        """
-        tier = getattr(self.engine, "redis", None)
-        if tier is None:
-            return None
-        meta = tier.get_meta(sid)
-        if not meta or meta.get("token_ids") != data["token_ids"] or len(meta.get("turns", [])) != len(data["turns"]):
-            return None
-        if not await self._kv_complete(sid, meta, tier):
-            log.warning("session %s: stored KV incomplete (its replica died mid-turn); re-prefilling", sid)
-            return None
-        session = restore_session(self.engine, sid)
-        if session is not None:
-            self.engine.sessions[sid] = session
-        return session
-
-    async def _kv_complete(self, sid: str, meta: dict[str, Any], tier) -> bool:
-        """Whether every KV key the engine's stored copy refers to is still in Redis.
-
-        A turn rewrites each layer's primary set and page table at its end-of-turn save; a replica
-        killed before the first save, or a cache released after it, leaves keys missing. (Cold pages
-        themselves are never freed while the cache lives; one missing later is a rebuild at read time.)
-        """
-        kv = meta.get("kv")
-        if kv is None:
-            return True  # nothing but messages and token ids: the history is re-prefilled anyway
-        try:
-            layers = kv["cold"]
-            names = [f"{kind}-l{i}" for i in range(len(layers)) for kind in ("primary", "index")]
-            return await self.store.exists_all([tier.chunk_key(sid, name) for name in names])
-        except Exception:  # an unreadable record, or Redis gone again: do not trust the KV
-            return False
-
-    async def _persist(self, session: Session, quiet: bool = False) -> None:
-        if self.store is None or session.id not in self._digests:
-            return
-        async with self._save_lock:
-            expected = self._versions.get(session.id)
-            data, summ = record(session, self._digests[session.id]), summary(session, self.replica)
-            try:
-                ok = await self.store.save(data, summ, expected)
-                if not ok and expected is not None and await self.store.version(session.id) is None:
-                    # The record is gone (expired, or Redis came back empty): this copy is the truth.
-                    expected = None
-                    ok = await self.store.save(data, summ, None)
-            except Exception as exc:
-                self._dirty.add(session.id)
-                if not quiet:
-                    log.warning("could not save session %s (%s: %s); kept in memory, retried", session.id,
-                                type(exc).__name__, exc)
-                return
-            self._dirty.discard(session.id)
-            if ok:
-                self._versions[session.id] = (expected or 0) + 1
-                if quiet:
-                    log.info("session %s saved again after a store outage", session.id)
-                with contextlib.suppress(Exception):  # fresh totals for /metrics; the loop retries anyway
-                    await self.store.put_replica_stats(self.replica, self.stats(), ttl_s=int(STATS_PUSH_S * 4))
-            else:
-                # Another replica saved a newer state: this copy must not serve again.
-                log.warning("session %s moved on elsewhere; dropping the local copy", session.id)
-                self._versions[session.id] = -1
 
     def _info(self, session: Session, token: str, restored: bool = False) -> dict[str, Any]:
         return {
@@ -348,19 +185,13 @@ class ChatService:
         }
 
     async def _adopt(self, session: Session) -> dict[str, Any]:
-        token = new_token()
-        self._digests[session.id] = token_digest(token)
-        self._versions[session.id] = None
+        token = self.access.issue(session.id)
+        if self.repository is not None:
+            self.repository.track(session.id)
         await self._persist(session)
         return self._info(session, token)
 
     # --- sessions ------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        if not self._make_room():
-            raise TooManySessions(
-                f"this replica holds its limit of {self.max_sessions} sessions; delete one or try again later"
-            )
-
     async def create(
         self,
         sid: str,
@@ -370,20 +201,14 @@ class ChatService:
         owner: str | None = None,
     ):
         self.start()
-        if sid in self.engine.sessions:
-            raise InvalidRequest("session id already in use")
-        limit = self.engine.settings.max_message_bytes
-        if system is not None and len(system.encode("utf-8", "surrogatepass")) > limit:
-            raise MessageTooLarge(f"the system prompt is over {limit} bytes")
-        if system is not None and not is_unicode(system):
-            raise InvalidRequest("the system prompt is not valid Unicode text (a lone surrogate)")
-        self._admit()
+        check_new(self.engine, sid, system)
+        self.residency.admit()
         return await self._adopt(create_with_id(self.engine, sid, mode, budget, system, owner))
 
     async def import_session(self, sid: str, data: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         """A new session (new id and token) from exported data or from a bare message history."""
         self.start()
-        self._admit()
+        self.residency.admit()
         session = seed_session(
             self.engine,
             sid,
@@ -402,23 +227,7 @@ class ChatService:
 
     async def get(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
         session, _ = await self._session(sid, token, owner)
-        cache = session.cache
-        return {
-            **summary(session, self.replica),
-            "messages": session.messages,
-            "tokens": {
-                "history": len(session.token_ids),
-                "cached": session.fed_tokens,
-                "device": cache.kept_tokens() if cache is not None else 0,
-            },
-            "memory": self._memory(session),
-            "turn_stats": [
-                {k: getattr(t, k) for k in ("prompt_tokens", "prefilled_tokens", "generated_tokens",
-                                             "finish_reason", "ttft_ms", "latency_ms")}
-                for t in session.turns
-            ],
-            "busy": session.busy,
-        }
+        return detail(session, self.replica, dataclasses.asdict(self.engine.memory(session)))
 
     async def export(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
         session, _ = await self._session(sid, token, owner)
@@ -430,61 +239,27 @@ class ChatService:
             raise SessionBusy("the session is generating; cancel it first")
         self.engine.delete_session(sid, owner)  # also frees its tiers and the engine's Redis keys
         self._forget(sid)
-        if self.store is not None:
-            await self.store.delete(sid)
+        if self.repository is not None:
+            await self.repository.delete(sid)
 
     async def cancel(self, sid: str, token: str | None, owner: str | None = None) -> bool:
         session = self.engine.sessions.get(sid) if isinstance(sid, str) else None
         if session is None:
-            raise SessionNotFound(f"no session {sid!r}")
-        self._check(session, token, owner)
+            raise refuse(sid)
+        self.access.check(session, token, owner)
         return self.engine.cancel(sid, owner)
 
     async def list_sessions(self, owner: str | None = None) -> list[dict[str, Any]]:
         held = self.engine.sessions.values()
-        return [summary(s, self.replica) for s in held if s.id in self._digests and s.owner == owner]
+        return [summary(s, self.replica) for s in held if self.access.holds(s.id) and s.owner == owner]
 
     async def health(self) -> dict[str, Any]:
-        """Redis as this replica sees it: the store's ping and the KV tier's own state."""
-        tier = getattr(self.engine, "redis", None)
-        if self.store is None and tier is None:
-            return {}
-        errors = []
-        if self.store is not None:
-            try:
-                await asyncio.wait_for(self.store.ping(), HEALTH_TIMEOUT_S)
-            except Exception as exc:
-                errors.append(f"session store: {type(exc).__name__}: {exc}")
-        if tier is not None:
-            # The tier's ping also clears its error state once Redis answers again.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.to_thread(tier.ping), HEALTH_TIMEOUT_S * 2)
-            if not tier.healthy:
-                errors.append(f"KV tier: {tier.last_error}")
-        return {"redis": {"ok": not errors, "error": "; ".join(errors) or None}, "unsaved_sessions": len(self._dirty)}
-
-    def _memory(self, session: Session) -> dict[str, Any]:
-        return MemoryModel.model_validate(self.engine.memory(session), from_attributes=True).model_dump()
+        """Redis as this replica sees it (``{}`` without Redis), and how many sessions it has not saved."""
+        unsaved = self.repository.unsaved if self.repository is not None else 0
+        return await redis_health(self.engine, self.store, unsaved)
 
     def stats(self) -> dict[str, Any]:
-        """Totals of this replica: bytes held per tier, entries moved between tiers, and the payload
-        bytes each cold tier has served and taken since start (``host_bytes_read``, ...)."""
-        totals = {"device_bytes": 0, "host_bytes": 0, "redis_bytes": 0, "promotions": 0, "demotions": 0, "spills": 0}
-        for session in list(self.engine.sessions.values()):
-            mem = self.engine.memory(session)
-            for key in ("device_bytes", "host_bytes", "redis_bytes"):
-                totals[key] += int(getattr(mem, key, 0) or 0)
-        tiers = {"host": getattr(self.engine, "host_tier", None), "redis": getattr(self.engine, "redis", None)}
-        for name, tier in tiers.items():
-            tier_stats = getattr(tier, "stats", None)
-            for key in ("promotions", "demotions", "spills"):
-                totals[key] += int(getattr(tier_stats, key, 0) or 0)
-            for key in ("bytes_read", "bytes_written"):
-                totals[f"{name}_{key}"] = int(getattr(tier_stats, key, 0) or 0)
-        busy = sum(1 for s in self.engine.sessions.values() if s.busy)
-        # Device budget, peak, parks and refusals, batching figures (Engine.stats).
-        return {"replica": self.replica, "sessions": len(self.engine.sessions), "busy": busy, **totals,
-                **self.engine.stats()}
+        return replica_totals(self.engine, self.replica)
 
     # --- turns ---------------------------------------------------------------------------------
     async def chat(
@@ -495,9 +270,9 @@ class ChatService:
         sampling: dict[str, Any] | None = None,
         history: list[list[str]] | None = None,
         owner: str | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Stream one turn: ``start`` (internal: the turn was accepted, and where), ``delta``
-        events, then ``done``; or a single ``error`` when the turn cannot start.
+    ) -> AsyncIterator[TurnEvent]:
+        """Stream one turn: ``TurnStarted`` (the turn was accepted, and where), ``Delta``s, then
+        ``Done``; or a single ``TurnFailed`` when the turn cannot start.
 
         ``history``, when given, is the [role, content] list the caller believes the session
         holds; a different history ends the call with ``history_mismatch`` before any work.
@@ -511,24 +286,24 @@ class ChatService:
                 raise InvalidRequest("the message is not valid Unicode text (a lone surrogate)")
             params = checked_sampling(sampling)
             stream = await self.engine.chat(sid, content, params, owner)
-        except EngineError as exc:
-            yield error_event(exc.code, exc.message)
+        except ChatError as exc:
+            yield TurnFailed.of(exc)
             return
         except Exception:  # a bug, not the client's fault; the session is unchanged (nothing started)
             log.exception("turn of session %s could not start", sid)
-            yield error_event("internal_error", "the turn could not start")
+            yield TurnFailed("internal_error", "the turn could not start")
             return
-        yield {"type": "start", "session_id": sid, "replica": self.replica}
+        yield TurnStarted(session_id=sid, replica=self.replica)
         done: TurnDone | None = None
         try:
             async for event in stream:
                 if isinstance(event, TextDelta):
-                    yield DeltaEvent(text=event.text).model_dump()
+                    yield Delta(event.text)
                 else:
                     done = event
         except Exception as exc:  # the engine logged it; the session stays usable (cache rebuilt)
             await self._persist(session)
-            yield error_event("internal_error", f"the turn failed: {type(exc).__name__}")
+            yield TurnFailed("internal_error", f"the turn failed: {type(exc).__name__}")
             return
         except BaseException:
             # Abandoned by the consumer: the engine ended the turn as cancelled; keep that state.
@@ -542,13 +317,13 @@ class ChatService:
             await stream.aclose()
         await self._persist(session)
 
-    def _done(self, session: Session, done: TurnDone) -> dict[str, Any]:
-        return DoneEvent(
+    def _done(self, session: Session, done: TurnDone) -> Done:
+        return Done(
             finish_reason=done.finish_reason,
-            usage=UsageModel.model_validate(done.usage, from_attributes=True),
-            memory=MemoryModel.model_validate(done.memory, from_attributes=True),
+            usage=done.usage,
+            memory=done.memory,
             replica=self.replica,
             session_id=session.id,
             ttft_ms=done.ttft_ms,
             latency_ms=done.latency_ms,
-        ).model_dump()
+        )

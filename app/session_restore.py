@@ -1,36 +1,23 @@
 """Sessions to and from plain data: store records, exports, and sessions seeded from a history.
 
-The engine has no restore API; a session is rebuilt here from its public fields with
-``cache=None``, which makes the engine's next turn prefill the whole ``token_ids`` into a fresh
-cache. Nothing here touches tensors: what travels is messages, token ids and settings.
+A session is rebuilt here from its public fields with ``cache=None`` and handed to the engine
+(``Engine.adopt``), whose next turn prefills the whole ``token_ids`` into a fresh cache. Nothing
+here touches tensors: what travels is messages, token ids and settings.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import time
 from typing import Any
 
 from app.engine.engine import Engine
-from app.engine.errors import InvalidRequest
+from app.engine.errors import InvalidRequest, MessageTooLarge
 from app.engine.session import Session, TurnStats
 from rocketkv_mt.config import RocketKVConfig
 
 ROLES = ("system", "user", "assistant")
 # Flags the engine keeps on messages; everything else a client sends along is dropped.
 _MESSAGE_FLAGS = ("closed", "cancelled", "error")
-
-
-def token_digest(token: str) -> str:
-    # surrogatepass: a client's "\ud800" must make a wrong token, not an exception.
-    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def token_matches(token: str | None, digest: str | None) -> bool:
-    if not digest or not isinstance(token, str):
-        return False
-    return hmac.compare_digest(token_digest(token), digest)
 
 
 def is_unicode(text: str) -> bool:
@@ -73,11 +60,15 @@ def check_ids(engine: Engine, token_ids: list[Any]) -> list[int]:
     return list(token_ids)
 
 
-def _validated(engine: Engine, mode: str | None, budget: int | None) -> tuple[str, RocketKVConfig]:
-    """Mode and RocketKV config after the engine's own checks (it raises ``UnknownMode``)."""
-    probe = engine.create_session(mode, budget)
-    del engine.sessions[probe.id]
-    return probe.mode, probe.rocket
+def check_new(engine: Engine, session_id: str, system: str | None) -> None:
+    """What ``create_with_id`` refuses before anything is made: an id in use, a bad system prompt."""
+    if session_id in engine.sessions:
+        raise InvalidRequest("session id already in use")
+    limit = engine.settings.max_message_bytes
+    if system is not None and len(system.encode("utf-8", "surrogatepass")) > limit:
+        raise MessageTooLarge(f"the system prompt is over {limit} bytes")
+    if system is not None and not is_unicode(system):
+        raise InvalidRequest("the system prompt is not valid Unicode text (a lone surrogate)")
 
 
 def create_with_id(
@@ -92,12 +83,11 @@ def create_with_id(
 
     Its cache is made by the engine at the first turn, so that the cache's tier keys carry this id.
     """
-    mode, rocket = _validated(engine, mode, budget)
+    mode, rocket = engine.session_config(mode, budget)
     session = Session(id=session_id, mode=mode, rocket=rocket, cache=None, owner=owner)
     if system:
         session.messages.append({"role": "system", "content": system})
-    engine.sessions[session_id] = session
-    return session
+    return engine.adopt(session)
 
 
 def seed_session(
@@ -115,7 +105,7 @@ def seed_session(
 ) -> Session:
     """A session holding ``messages`` whose cache is rebuilt from ``token_ids`` on its next turn."""
     msgs = clean_messages(messages)
-    mode, config = _validated(engine, mode, budget)
+    mode, config = engine.session_config(mode, budget)
     if rocket:
         config = RocketKVConfig.model_validate(rocket)
     ids = check_ids(engine, token_ids) if token_ids is not None else render_ids(engine, msgs)
@@ -127,8 +117,7 @@ def seed_session(
     session.turns = [TurnStats(**t) for t in turns or []]
     if created_at:
         session.created_at = created_at
-    engine.sessions[session_id] = session
-    return session
+    return engine.adopt(session)
 
 
 def budget_of(session: Session) -> int:
@@ -146,6 +135,27 @@ def summary(session: Session, replica: str | None) -> dict[str, Any]:
         "last_used": session.last_used,
         "replica": replica,
         "owner": session.owner,  # for filtering listings; the API never shows it
+    }
+
+
+def detail(session: Session, replica: str | None, memory: dict[str, Any]) -> dict[str, Any]:
+    """A session as ``GET /v1/sessions/{id}`` shows it: summary, messages, token counts, memory, turns."""
+    cache = session.cache
+    return {
+        **summary(session, replica),
+        "messages": session.messages,
+        "tokens": {
+            "history": len(session.token_ids),
+            "cached": session.fed_tokens,
+            "device": cache.kept_tokens() if cache is not None else 0,
+        },
+        "memory": memory,
+        "turn_stats": [
+            {k: getattr(t, k) for k in ("prompt_tokens", "prefilled_tokens", "generated_tokens",
+                                         "finish_reason", "ttft_ms", "latency_ms")}
+            for t in session.turns
+        ],
+        "busy": session.busy,
     }
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 from websockets.asyncio.client import connect
 
-from app.client import ws_url
+from api.client import ws_url
 from bench.common import write_json
 from bench.haystack import filler_text
 

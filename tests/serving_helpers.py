@@ -15,22 +15,10 @@ import httpx
 import uvicorn
 from websockets.asyncio.client import connect
 
-REDIS_URL = os.environ.get("RKV_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def redis_available() -> bool:
-    import redis
-
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
-    except Exception:
-        return False
 
 
 class ServerThread:
@@ -73,7 +61,7 @@ class ServerThread:
 def local_server(loaded, **overrides):
     import torch
 
-    from app.serve import build_local_app
+    from api.server import build_local_app
     from app.settings import ServerSettings
 
     settings = ServerSettings(**{"max_new_tokens": 12, "replica_id": "test-replica", **overrides})
@@ -111,7 +99,7 @@ class ServerProcess:
 def server_process(*args: str, env: dict | None = None, timeout: float = 120):
     """Like ``cli_server``, yielding a ``ServerProcess`` (url and the process, to kill it)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     # A file, not a pipe: nobody reads a pipe while the server runs, and a full one would block it.
     output = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "RKV_THREADS": "1", **(env or {})},

@@ -242,6 +242,8 @@ function onServerEvent(event) {
       if (state.turn) finishTurn(event);
       break;
     case "error":
+      // A cancel that crossed its turn's `done` on the wire: the turn is over, nothing to show.
+      if (event.code === "no_active_turn") break;
       if (state.pending) {
         state.pending.reject(new ApiErr(event.code, event.message));
         state.pending = null;

@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import MappingProxyType
+from typing import Any, TypeVar
 
+from app.contract.ids import new_session_id
 from app.engine.batcher import Batcher
 from app.engine.chat_format import ChatFormat
 from app.engine.detokenizer import Detokenizer
@@ -27,6 +29,7 @@ from app.engine.errors import (
     ContextLengthExceeded,
     DeviceMemoryExhausted,
     EmptyMessage,
+    InvalidRequest,
     MaxTokensTooLarge,
     MessageTooLarge,
     SessionBusy,
@@ -36,7 +39,7 @@ from app.engine.errors import (
 from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
 from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
-from app.engine.persistence import persist_session, restore_session
+from app.engine.persistence import kv_keys, persist_session, restore_session
 from app.engine.sampling import SamplingParams, make_generator, sample
 from app.engine.session import Session, TurnStats
 from app.model_loader import LoadedModel, load_model
@@ -59,7 +62,7 @@ class Engine:
         self.runner = ModelRunner(self.loaded, kernels=settings.kernels)
         self.chat_format = ChatFormat(self.tokenizer, extra_eos=self.runner.eos_ids)
         self.max_context = min(settings.max_context or self.runner.max_positions, self.runner.max_positions)
-        self.sessions: dict[str, Session] = {}
+        self._sessions: dict[str, Session] = {}  # changed only by create_session, adopt, drop, delete_session
         self.redis = (
             RedisTier(settings.redis_url, settings.redis_namespace, settings.redis_ttl_s) if settings.redis_url else None
         )
@@ -74,9 +77,13 @@ class Engine:
         self.batcher = Batcher(self.runner, on_step=self._after_step, threads=settings.threads)
 
     # --- sessions ----------------------------------------------------------------------------
-    def create_session(
-        self, mode: str | None = None, budget: int | None = None, system: str | None = None
-    ) -> Session:
+    @property
+    def sessions(self) -> Mapping[str, Session]:
+        """The sessions in this engine's memory, read-only: ``adopt``, ``drop`` and ``delete_session`` change them."""
+        return MappingProxyType(self._sessions)
+
+    def session_config(self, mode: str | None = None, budget: int | None = None) -> tuple[str, RocketKVConfig]:
+        """The mode and RocketKV config a new session gets, after this engine's checks (``UnknownMode``)."""
         mode = mode or self.settings.mode
         if mode not in CACHE_MODES:
             raise UnknownMode(f"unknown mode {mode!r}; available: {', '.join(sorted(CACHE_MODES))}")
@@ -87,12 +94,47 @@ class Engine:
             window_size=self.settings.window_size,
             kernel_size=self.settings.kernel_size,
         )
-        sid = Session.new_id()
+        return mode, rocket
+
+    def create_session(
+        self, mode: str | None = None, budget: int | None = None, system: str | None = None
+    ) -> Session:
+        mode, rocket = self.session_config(mode, budget)
+        sid = new_session_id()
         session = Session(id=sid, mode=mode, rocket=rocket, cache=self.new_cache(mode, rocket, sid))
         if system:
             session.messages.append({"role": "system", "content": system})
-        self.sessions[session.id] = session
+        return self.adopt(session)
+
+    def adopt(self, session: Session) -> Session:
+        """Hold a session made elsewhere (seeded from a history, restored from a record). Without a
+        cache, its next turn makes one: from its parked KV record if it has one, else by prefilling
+        its token ids."""
+        if session.id in self._sessions:
+            raise InvalidRequest("session id already in use")
+        self._sessions[session.id] = session
         return session
+
+    def drop(self, session_id: str) -> None:
+        """Let go of a session in this process only (idle eviction, a stale copy): its device memory
+        and its host-tier pages are freed; what Redis holds for it stays, for whoever restores it
+        (``delete_session`` deletes that too)."""
+        self._sessions.pop(session_id, None)
+        self.memory_account.forget(session_id)
+        self.host_tier.drop_session(session_id)
+
+    def stored_copy(self, session_id: str) -> dict[str, Any] | None:
+        """The record this engine's Redis tier keeps for a session (messages, token ids, KV state), if any."""
+        return self.redis.get_meta(session_id) if self.redis is not None else None
+
+    def stored_kv_keys(self, session_id: str, record: dict[str, Any]) -> list[str]:
+        """The Redis keys a stored record's KV state needs, to check they are all still there."""
+        return kv_keys(self.redis, session_id, record) if self.redis is not None else []
+
+    def restore_stored(self, session_id: str) -> Session | None:
+        """Hold the session of this engine's stored record (KV loaded at its next turn), if there is one."""
+        session = restore_session(self.redis, session_id) if self.redis is not None else None
+        return self.adopt(session) if session is not None else None
 
     def new_cache(self, mode: str, rocket: RocketKVConfig, session_id: str = "local") -> SessionCache:
         """An empty cache of this engine's model; tiered caches keep cold tokens in this engine's tiers."""
@@ -114,11 +156,11 @@ class Engine:
         """
         if not isinstance(session_id, str) or not session_id:
             raise SessionNotFound(f"no session {session_id!r}")
-        session = self.sessions.get(session_id)
+        session = self._sessions.get(session_id)
         if session is None and self.redis is not None:
-            session = restore_session(self, session_id)
+            session = restore_session(self.redis, session_id)
             if session is not None and session.owner == owner:
-                self.sessions[session_id] = session
+                self.adopt(session)
         if session is None or session.owner != owner:
             raise SessionNotFound(f"no session {session_id!r}")
         return session
@@ -127,7 +169,7 @@ class Engine:
         session = self.get_session(session_id, owner)
         if session.busy:
             raise SessionBusy("the session is generating; cancel it first")
-        del self.sessions[session_id]
+        del self._sessions[session_id]
         self.memory_account.forget(session_id)
         if session.cache is not None:
             session.cache.release()
@@ -178,11 +220,11 @@ class Engine:
         mem = self.memory_account
         need = mem.turn_bound(session, n_new, max_new)
         if mem.budget:
-            committed = mem.committed(self.sessions, exclude=session.id)
+            committed = mem.committed(self._sessions, exclude=session.id)
             victims: list[Session] = []
             if committed + need > mem.budget and self.parking:
                 idle = sorted(
-                    (s for s in self.sessions.values()
+                    (s for s in self._sessions.values()
                      if s is not session and not s.busy and s.cache is not None and mem.held.get(s.id, 0) > 0),
                     key=lambda s: s.last_used,
                 )
@@ -258,14 +300,14 @@ class Engine:
         """Model thread, after every batched step: measure the caches that changed, and the total."""
         mem = self.memory_account
         for sid in session_ids:
-            session = self.sessions.get(sid)
+            session = self._sessions.get(sid)
             if session is not None and session.cache is not None:
                 mem.set_held(sid, session.cache.device_bytes())
-        mem.observe(list(self.sessions))
+        mem.observe(list(self._sessions))
 
     def stats(self) -> dict:
         """Device memory (budget, held, peak, parks, refusals) and batching figures of this engine."""
-        self.memory_account.observe(list(self.sessions))
+        self.memory_account.observe(list(self._sessions))
         batching = {f"batch_{k}": v for k, v in self.batcher.stats.as_dict().items()}
         return {**self.memory_account.stats(), **batching}
 
@@ -356,7 +398,7 @@ class Engine:
         if tail:
             yield TextDelta(tail)
         if self.redis is not None:
-            await self._step(lambda: persist_session(self, session))
+            await self._step(lambda: persist_session(self.redis, session))
         yield self._done_event(session, stats, detok.text)
 
     def _finish_turn(

@@ -1,35 +1,17 @@
-"""What ``Engine.chat`` yields: text deltas, then exactly one ``TurnDone``."""
+"""What ``Engine.chat`` yields: text deltas, then exactly one ``TurnDone`` (its ``Usage`` and
+``MemoryStats`` are the contract's, ``app.contract.events``, which the service passes on as they are)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from app.contract.events import MemoryStats, Usage
+
+__all__ = ["MemoryStats", "TextDelta", "TurnDone", "Usage"]
 
 
 @dataclass(frozen=True)
 class TextDelta:
     text: str
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    prefilled_tokens: int
-    generated_tokens: int
-
-
-@dataclass(frozen=True)
-class MemoryStats:
-    device_bytes: int
-    host_bytes: int = 0
-    redis_bytes: int = 0
-    readmitted_tokens: int = 0
-    history_tokens: int = 0
-    device_tokens: int = 0
-    # Bytes the last turn moved between tiers (``tiers.base.Traffic``).
-    cold_bytes_read: int = 0
-    redis_bytes_read: int = 0
-    digest_bytes_read: int = 0
-    bytes_demoted: int = 0
-    redis_bytes_written: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,19 +7,15 @@ with their messages and token ids and re-prefill the history on their next turn.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
 from app.engine.session import Session, TurnStats
 from rocketkv_mt.config import RocketKVConfig
-
-if TYPE_CHECKING:
-    from app.engine.engine import Engine
+from tiers.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 FORMAT = 1
 
 
-def persist_session(engine: "Engine", session: Session) -> bool:
+def persist_session(redis: RedisTier, session: Session) -> bool:
     """Write the session's metadata (and its KV, for tiered sessions); False when Redis is unavailable."""
     cache = session.cache
     kv_state = cache.persist() if cache is not None else None
@@ -35,11 +31,11 @@ def persist_session(engine: "Engine", session: Session) -> bool:
         "owner": session.owner,
         "kv": kv_state,
     }
-    return engine.redis.put_meta(session.id, meta)
+    return redis.put_meta(session.id, meta)
 
 
-def restore_session(engine: "Engine", session_id: str) -> Session | None:
-    meta = engine.redis.get_meta(session_id)
+def restore_session(redis: RedisTier, session_id: str) -> Session | None:
+    meta = redis.get_meta(session_id)
     if not meta or meta.get("format") != FORMAT or meta.get("id") != session_id:
         return None
     rocket = RocketKVConfig(**meta["rocket"])
@@ -59,3 +55,17 @@ def restore_session(engine: "Engine", session_id: str) -> Session | None:
     # re-prefill of the history.
     session.parked_kv = meta.get("kv")
     return session
+
+
+def kv_keys(redis: RedisTier, session_id: str, meta: dict) -> list[str]:
+    """The Redis keys the KV state in ``meta`` refers to: each layer's primary set and page index.
+
+    A turn rewrites them at its end-of-turn save; a replica killed before the first save, or a cache
+    released after it, leaves some missing, and then the record's KV must not be trusted. (Cold pages
+    themselves are never freed while the cache lives; one missing later is a rebuild at read time.)
+    """
+    kv = meta.get("kv")
+    if kv is None:
+        return []  # messages and token ids only: the history is re-prefilled anyway
+    layers = kv["cold"]
+    return [redis.chunk_key(session_id, f"{kind}-l{i}") for i in range(len(layers)) for kind in ("primary", "index")]

@@ -1,7 +1,6 @@
 """A chat session: its messages, its token ids and its KV cache."""
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -46,10 +45,6 @@ class Session:
     cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
-
-    @staticmethod
-    def new_id() -> str:
-        return "s_" + secrets.token_urlsafe(18)
 
     @property
     def fed_tokens(self) -> int:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import check_tensors
+from .common import check_tensors
 
 
 @triton.jit

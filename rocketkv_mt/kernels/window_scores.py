@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import check_tensors, dot_options
+from .common import check_tensors, dot_options
 
 _LOG2E = 1.4426950408889634
 

@@ -65,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     if not args.local:
-        from app.client import run_chat_client
+        from api.client import run_chat_client
 
         return run_chat_client(args)
     from app.engine.engine import Engine
@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p, sampling=False)
     p.set_defaults(func=cmd_model)
 
-    from app.bench_cli import add_bench_parser, add_eval_parser
-    from app.serve import add_serve_parser
+    from cli.bench import add_bench_parser, add_eval_parser
+    from cli.serve import add_serve_parser
 
     add_bench_parser(sub)
     add_eval_parser(sub)

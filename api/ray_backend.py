@@ -18,8 +18,12 @@ from ray import exceptions as ray_exceptions
 from ray.serve import exceptions as serve_exceptions
 from ray.serve.handle import DeploymentHandle
 
-from api.backend import Backend, is_session_id, new_session_id
-from api.errors import ApiError, error_event
+from api.backend import Backend
+from api.errors import error_event
+from api.wire import wire_event
+from app.contract.errors import ChatError, ReplicaUnavailable, StoreUnavailable
+from app.contract.events import TurnStarted
+from app.contract.ids import is_session_id, new_session_id
 from app.settings import ServerSettings
 from app.session_store import SessionStore
 
@@ -44,7 +48,7 @@ def _routable(sid: Any) -> str:
 
 def unwrap(result: dict[str, Any]) -> Any:
     if "error" in result:
-        raise ApiError(result["error"]["code"], result["error"]["message"])
+        raise ChatError.from_code(result["error"]["code"], result["error"]["message"])
     return result["ok"]
 
 
@@ -77,7 +81,7 @@ class RayBackend(Backend):
                 return await attempt()
             except RETRYABLE as exc:
                 if time.monotonic() + delay > deadline:
-                    raise ApiError("replica_unavailable", f"no chat replica could take the request: {exc}") from None
+                    raise ReplicaUnavailable(f"no chat replica could take the request: {exc}") from None
                 log.info("replica unavailable (%s); retrying in %.1fs", type(exc).__name__, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -114,7 +118,7 @@ class RayBackend(Backend):
                 return await self.store.summaries(owner=owner)
             except Exception as exc:
                 message = f"the session list lives in Redis, which is unreachable: {exc}"
-                raise ApiError("store_unavailable", message) from None
+                raise StoreUnavailable(message) from None
         return await self._call("", "list_sessions", owner)  # without a store: one replica's view only
 
     async def health(self):
@@ -145,13 +149,13 @@ class RayBackend(Backend):
             committed = False  # once text has gone out, a retry would repeat it
             try:
                 async for event in gen:
-                    if event["type"] == "start":
+                    if event.type == TurnStarted.type:
                         if started:
                             continue
                         started = True
                     else:
                         committed = True
-                    yield event
+                    yield wire_event(event)
                 return
             except RETRYABLE as exc:
                 if committed or time.monotonic() + delay > deadline:

@@ -12,10 +12,9 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from serving_helpers import REDIS_URL, WsChat, free_port, redis_available
+from serving_helpers import WsChat, free_port
 
 SESSIONS, TURNS = 8, 3
-needs_redis = pytest.mark.skipif(not redis_available(), reason="needs Redis at RKV_TEST_REDIS_URL")
 
 
 class FakeReplica:
@@ -25,7 +24,7 @@ class FakeReplica:
 
 
 def test_router_prefers_the_holder_then_a_stable_hash():
-    from app.ray_router import pick_replica
+    from api.ray_router import pick_replica
 
     a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
     sessions = [f"s_{i}" for i in range(200)]
@@ -41,11 +40,11 @@ def test_router_prefers_the_holder_then_a_stable_hash():
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(redis_url):
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    from app.serve import deploy
+    from api.deployment import deploy
     from app.settings import ServerSettings
 
     settings = ServerSettings(
@@ -57,7 +56,7 @@ def cluster():
         ray_object_store_bytes=100 * 1024**2,
         threads=1,
         max_new_tokens=6,
-        redis_url=REDIS_URL,
+        redis_url=redis_url,
         redis_namespace=f"rkv-test-{uuid.uuid4().hex[:8]}",
         request_retry_s=90,
     )
@@ -70,7 +69,7 @@ def cluster():
         ray.shutdown()
         import redis
 
-        r = redis.Redis.from_url(REDIS_URL)
+        r = redis.Redis.from_url(redis_url)
         for key in r.scan_iter(match=f"{settings.redis_namespace}:*"):
             r.delete(key)
 
@@ -99,7 +98,6 @@ def kill_replica(replica: str) -> None:
 
 
 @pytest.mark.slow
-@needs_redis
 async def test_sessions_stick_to_a_replica_and_survive_its_death(cluster):
     url = f"http://127.0.0.1:{cluster.port}"
     async with contextlib.AsyncExitStack() as stack:

@@ -10,21 +10,20 @@ import uuid
 
 import pytest
 from serving_helpers import (
-    REDIS_URL, WsChat, local_server, redis_available, server_process, session_detail, turn_until_done,
+    WsChat, local_server, server_process, session_detail, turn_until_done,
 )
 from websockets.exceptions import ConnectionClosed
 
-pytestmark = pytest.mark.skipif(not redis_available(), reason="needs Redis at RKV_TEST_REDIS_URL")
 
 
-async def test_a_replica_killed_mid_turn_loses_no_finished_turn(loaded):
+async def test_a_replica_killed_mid_turn_loses_no_finished_turn(loaded, redis_url):
     import redis
 
     namespace = f"rkv-kill-{uuid.uuid4().hex[:8]}"
-    env = {"RKV_REDIS_URL": REDIS_URL, "RKV_REDIS_NAMESPACE": namespace, "RKV_REPLICA_ID": "victim",
+    env = {"RKV_redis_url": redis_url, "RKV_REDIS_NAMESPACE": namespace, "RKV_REPLICA_ID": "victim",
            "RKV_MAX_NEW_TOKENS": "8"}
     try:
-        with local_server(loaded, replica_id="survivor", redis_url=REDIS_URL, redis_namespace=namespace) as survivor:
+        with local_server(loaded, replica_id="survivor", redis_url=redis_url, redis_namespace=namespace) as survivor:
             with server_process("--no-ray", env=env) as victim:
                 async with WsChat.open(victim.ws_url) as t, WsChat.open(victim.ws_url) as f:
                     infos = [await t.create(mode="tiered", budget=32), await f.create(mode="full")]
@@ -54,18 +53,18 @@ async def test_a_replica_killed_mid_turn_loses_no_finished_turn(loaded):
                     assert done["usage"]["prompt_tokens"] > old["history_tokens"]
                 assert len(session_detail(survivor.url, info, timeout=60)["messages"]) == 6
     finally:
-        r = redis.Redis.from_url(REDIS_URL)
+        r = redis.Redis.from_url(redis_url)
         for key in r.scan_iter(match=f"{namespace}:*"):
             r.delete(key)
 
 
-async def test_a_stored_kv_with_chunks_gone_is_re_prefilled_not_trusted(loaded):
+async def test_a_stored_kv_with_chunks_gone_is_re_prefilled_not_trusted(loaded, redis_url):
     """What a kill mid-turn can leave behind, made on purpose: a cold chunk the stored KV refers to is gone."""
     import redis
 
     namespace = f"rkv-kill-{uuid.uuid4().hex[:8]}"
-    settings = {"redis_url": REDIS_URL, "redis_namespace": namespace}
-    r = redis.Redis.from_url(REDIS_URL)
+    settings = {"redis_url": redis_url, "redis_namespace": namespace}
+    r = redis.Redis.from_url(redis_url)
     try:
         with local_server(loaded, replica_id="a", **settings) as a:
             async with WsChat.open(a.ws_url) as chat:

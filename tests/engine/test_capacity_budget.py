@@ -11,7 +11,6 @@ from bench.common import fit_words
 from bench.haystack import filler_text
 
 pytestmark = pytest.mark.slow
-REDIS_URL = "redis://127.0.0.1:6379/0"
 PARAMS = SamplingParams(max_tokens=8)
 
 
@@ -23,7 +22,7 @@ def bound_of_first_turn(engine, mode: str, text: str) -> int:
     probe = engine.create_session(mode=mode, budget=64)
     n = len(engine._turn_ids(probe, text))
     bound = engine.memory_account.turn_bound(probe, n, PARAMS.max_tokens)
-    del engine.sessions[probe.id]
+    engine.drop(probe.id)
     return bound
 
 
@@ -80,12 +79,12 @@ async def test_turn_that_cannot_fit_is_refused_and_the_session_is_unchanged(make
     assert_within_budget(engine)
 
 
-async def test_parked_tiered_session_comes_back_from_redis_without_reprefill(make_engine):
+async def test_parked_tiered_session_comes_back_from_redis_without_reprefill(make_engine, redis_url):
     namespace = f"rkvtest-{secrets.token_hex(3)}"
     ref = make_engine(mode="tiered")
     text_a, text_b = message(ref, 4, words=500), message(ref, 5, words=500)
     budget = int(1.5 * bound_of_first_turn(ref, "tiered", text_a))
-    engine = make_engine(mode="tiered", device_budget_bytes=budget, redis_url=REDIS_URL, redis_namespace=namespace)
+    engine = make_engine(mode="tiered", device_budget_bytes=budget, redis_url=redis_url, redis_namespace=namespace)
     a, b = engine.create_session(budget=64), engine.create_session(budget=64)
     ra = ref.create_session(budget=64)
     try:

@@ -33,25 +33,25 @@ async def wait_idle(server, info) -> dict:
 @pytest.mark.parametrize("how", ["cancel", "consumer gone"])
 async def test_generation_stops_within_one_decode_step(make_engine, how):
     """Deterministic, on the serving layer: between two decode steps nothing more is generated."""
-    from api.backend import new_session_id
     from app.chat_service import ChatService
+    from app.contract.ids import new_session_id
 
     service = ChatService(make_engine(), replica_id="t")
     info = await service.create(new_session_id(), mode="full")
     sid, token = info["session_id"], info["token"]
     session = service.engine.sessions[sid]
     events = service.chat(sid, token, STORY, {"max_tokens": 200})
-    assert (await anext(events))["type"] == "start"
-    deltas = [(await anext(events))["text"] for _ in range(3)]
+    assert (await anext(events)).type == "start"
+    deltas = [(await anext(events)).text for _ in range(3)]
     at_stop = len(session.token_ids)  # history + the tokens generated so far
     if how == "cancel":
         assert await service.cancel(sid, token) is True
         rest = [e async for e in events]
-        assert {e["type"] for e in rest[:-1]} <= {"delta"} and rest[-1]["type"] == "done"
-        deltas += [e["text"] for e in rest[:-1]]  # at most the detokenizer's held-back tail
+        assert {e.type for e in rest[:-1]} <= {"delta"} and rest[-1].type == "done"
+        deltas += [e.text for e in rest[:-1]]  # at most the detokenizer's held-back tail
         done = rest[-1]
-        assert done["finish_reason"] == "cancelled"
-        assert done["usage"]["prompt_tokens"] + done["usage"]["generated_tokens"] == at_stop
+        assert done.finish_reason == "cancelled"
+        assert done.usage.prompt_tokens + done.usage.generated_tokens == at_stop
     else:
         await events.aclose()
         for _ in range(100):
@@ -64,7 +64,7 @@ async def test_generation_stops_within_one_decode_step(make_engine, how):
     assert reply["role"] == "assistant" and reply["cancelled"] is True
     assert reply["content"].startswith("".join(deltas[:3])) and reply["content"]
     follow = [e async for e in service.chat(sid, token, "Now just say hello.", {"max_tokens": 4})]
-    assert follow[-1]["type"] == "done" and follow[-1]["finish_reason"] in ("stop", "length")
+    assert follow[-1].type == "done" and follow[-1].finish_reason in ("stop", "length")
     assert [m["role"] for m in session.messages] == ["user", "assistant"] * 2
     await service.close()
 

@@ -12,7 +12,6 @@ from app.engine.sampling import SamplingParams
 from bench.haystack import hide
 
 pytestmark = pytest.mark.slow
-REDIS_URL = "redis://127.0.0.1:6379/0"
 FACTS = ["The pass key for the red door is 41735.", "The pass key for the blue door is 90264."]
 FIRST = hide(FACTS, 700, [0.2, 0.7], seed=5) + "\n\nWhat is the pass key for the red door?"
 LATER = ["What is the pass key for the blue door?", "Say the red door's key again.", "Thanks! Which doors did I ask about?",
@@ -33,10 +32,10 @@ async def converse(engine, session, turns):
     return outs
 
 
-async def test_every_position_is_in_exactly_one_tier_after_every_turn(make_engine):
+async def test_every_position_is_in_exactly_one_tier_after_every_turn(make_engine, redis_url):
     # A host tier of 288 pages (9,216 cold tokens of all layers and heads) forces spills to Redis, so
     # all three tiers hold part of the history.
-    engine = make_engine(mode="tiered", token_budget=128, redis_url=REDIS_URL, redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
+    engine = make_engine(mode="tiered", token_budget=128, redis_url=redis_url, redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
                          host_tier_bytes=288 * PAGE_BYTES, page_tokens=32)
     session = engine.create_session()
     try:
@@ -121,17 +120,17 @@ engine.close()
 """
 
 
-def run_process(namespace, sid, texts):
-    out = subprocess.run([sys.executable, "-c", RUN, REDIS_URL, namespace, sid, json.dumps(texts)],
+def run_process(redis_url, namespace, sid, texts):
+    out = subprocess.run([sys.executable, "-c", RUN, redis_url, namespace, sid, json.dumps(texts)],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-async def test_resume_in_a_new_process_gives_the_same_third_turn(make_engine):
+async def test_resume_in_a_new_process_gives_the_same_third_turn(make_engine, redis_url):
     namespace = f"rkvtest-{secrets.token_hex(3)}"
-    first = run_process(namespace, "new", [FIRST, LATER[0]])
-    resumed = run_process(namespace, first["sid"], [LATER[1]])
+    first = run_process(redis_url, namespace, "new", [FIRST, LATER[0]])
+    resumed = run_process(redis_url, namespace, first["sid"], [LATER[1]])
     engine = make_engine(mode="tiered", token_budget=128)
     session = engine.create_session()
     replies = [d.text for d in await converse(engine, session, [FIRST, LATER[0], LATER[1]])]
@@ -140,7 +139,7 @@ async def test_resume_in_a_new_process_gives_the_same_third_turn(make_engine):
     # The resumed process fed only the third turn: the history came from Redis, not a re-prefill.
     assert resumed["fed"] == session.fed_tokens
     import redis
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(redis_url)
     for key in client.scan_iter(match=f"{namespace}:*"):
         client.delete(key)
 

@@ -1,9 +1,9 @@
 """Load: 32 concurrent WebSocket sessions x 3 short turns on the CPU; every turn completes, no errors.
 
 The figures (turn latency p50/p95 as the client sees it, message sent to ``done``) are printed;
-``pytest -s tests/test_load.py`` shows them. Against any running server:
+``pytest -s tests/e2e/test_load.py`` shows them. Against any running server:
 
-    python tests/test_load.py --url http://127.0.0.1:8000 [--sessions 32 --turns 3 --max-tokens 4 --api-key K]
+    PYTHONPATH=tests python tests/e2e/test_load.py --url http://127.0.0.1:8000 [--sessions 32 --turns 3 --max-tokens 4 --api-key K]
 """
 from __future__ import annotations
 

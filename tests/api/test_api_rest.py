@@ -11,12 +11,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import REDIS_URL, WsChat, local_server, redis_available
+from serving_helpers import WsChat, local_server
 
 from api.backend import LocalBackend
 from api.routes import create_app
 from app.chat_service import ChatService
-from app.serve import with_stats_route
+from api.server import with_stats_route
 from tiers.base import TierStats
 from tiers.host import HostTier
 
@@ -206,17 +206,16 @@ def test_tier_and_turn_traffic_in_stats_and_metrics():
     assert values[("rkv_readmitted_tokens_total", ())] == 6
 
 
-@pytest.mark.skipif(not redis_available(), reason="needs Redis at RKV_TEST_REDIS_URL")
-async def test_another_process_restores_a_session_from_redis(loaded):
+async def test_another_process_restores_a_session_from_redis(loaded, redis_url):
     """Two in-process servers share Redis: B continues A's session, then A notices its copy is stale."""
     import redis
 
     prefix = f"rkv-test-{uuid.uuid4().hex[:8]}"
-    settings = {"redis_url": REDIS_URL, "redis_namespace": prefix}
+    settings = {"redis_url": redis_url, "redis_namespace": prefix}
     with local_server(loaded, replica_id="a", **settings) as a, local_server(loaded, replica_id="b", **settings) as b:
         info = httpx.post(f"{a.url}/v1/sessions", json={"system": "Be brief.", "mode": "full"}).json()
         first, second = await ws_turns(a, info, "My name is Kim.", "Nice to meet you.")
-        stored = redis.Redis.from_url(REDIS_URL).hgetall(f"{prefix}:session:{info['session_id']}")
+        stored = redis.Redis.from_url(redis_url).hgetall(f"{prefix}:session:{info['session_id']}")
         data = json.loads(stored[b"data"])  # plain JSON, no pickle
         assert data["messages"][-1]["role"] == "assistant" and len(data["messages"]) == 5
         assert int(stored[b"version"]) == 3  # created, then two turns
@@ -235,16 +234,15 @@ async def test_another_process_restores_a_session_from_redis(loaded):
         listed = httpx.get(f"{b.url}/v1/sessions").json()["sessions"]
         assert info["session_id"] in [s["session_id"] for s in listed]
         assert httpx.delete(f"{a.url}/v1/sessions/{info['session_id']}", headers=auth(info)).status_code == 204
-        assert not redis.Redis.from_url(REDIS_URL).exists(f"{prefix}:session:{info['session_id']}")
+        assert not redis.Redis.from_url(redis_url).exists(f"{prefix}:session:{info['session_id']}")
 
 
-@pytest.mark.skipif(not redis_available(), reason="needs Redis at RKV_TEST_REDIS_URL")
-async def test_a_restored_tiered_session_keeps_its_kv(loaded):
+async def test_a_restored_tiered_session_keeps_its_kv(loaded, redis_url):
     """Where the engine stored the KV itself (tiered mode), the restore reuses it instead of re-prefilling."""
     import redis
 
     namespace = f"rkv-test-{uuid.uuid4().hex[:8]}"
-    settings = {"redis_url": REDIS_URL, "redis_namespace": namespace}
+    settings = {"redis_url": redis_url, "redis_namespace": namespace}
     with local_server(loaded, replica_id="a", **settings) as a, local_server(loaded, replica_id="b", **settings) as b:
         info = httpx.post(f"{a.url}/v1/sessions", json={"mode": "tiered", "budget": 32}).json()
         await ws_turns(a, info, "Tell me three facts about whales, please, with some detail.")
@@ -252,4 +250,4 @@ async def test_a_restored_tiered_session_keeps_its_kv(loaded):
         assert on_b["replica"] == "b"
         assert on_b["usage"]["prefilled_tokens"] < on_b["usage"]["prompt_tokens"] // 2
         assert httpx.delete(f"{b.url}/v1/sessions/{info['session_id']}", headers=auth(info)).status_code == 204
-    assert not list(redis.Redis.from_url(REDIS_URL).scan_iter(match=f"{namespace}:session*"))
+    assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{namespace}:session*"))

@@ -7,15 +7,12 @@ import torch
 from tiers.host import HostTier
 from tiers.redis_tier import RedisTier, decode_tensors, encode_tensors
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 DEAD_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1: every call fails fast
 
 
 @pytest.fixture
-def redis_tier():
-    tier = RedisTier(REDIS_URL, namespace=f"rkvtest-{secrets.token_hex(4)}", ttl_s=600)
-    if not tier.ping():
-        pytest.fail(f"Redis must be running at {REDIS_URL} (.ci/run starts it)")
+def redis_tier(redis_url):
+    tier = RedisTier(redis_url, namespace=f"rkvtest-{secrets.token_hex(4)}", ttl_s=600)
     yield tier
     tier.delete_session("s1")
     tier.delete_session("s2")
@@ -73,12 +70,12 @@ def test_redis_chunk_round_trip_bit_exact(redis_tier, dtype):
     assert redis_tier.stats.bytes_read == redis_tier.stats.bytes_written == redis_tier.stats.bytes
 
 
-def test_redis_keys_are_namespaced_with_ttl(redis_tier):
+def test_redis_keys_are_namespaced_with_ttl(redis_tier, redis_url):
     import redis
 
     redis_tier.put_pages("s1", {"c1": make_page(2)})
     redis_tier.put_meta("s1", {"messages": []})
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(redis_url)
     keys = sorted(k.decode() for k in client.scan_iter(match=f"{redis_tier.ns}:*"))
     assert keys == [f"{redis_tier.ns}:session:s1:kv:c1", f"{redis_tier.ns}:session:s1:meta"]
     assert all(0 < client.ttl(k) <= 600 for k in keys)

@@ -13,7 +13,7 @@ def union_reference(q, parts_k, parts_v, parts_pos, parts_alive, history, scalin
     n = q.shape[1]
     out = positional_attention(q, torch.arange(history - n, history), keys, values, pos, alive, scaling)
     hq, hkv, d = q.shape[0], keys.shape[0], q.shape[2]
-    g, w = hq // hkv, n
+    g = hq // hkv
     logits = torch.matmul(q.reshape(hkv, g * n, d), keys.transpose(1, 2)) * scaling
     hidden = (pos.unsqueeze(1) > torch.arange(history - n, history).repeat(g).view(1, -1, 1)) | ~alive.unsqueeze(1)
     probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), -1).sum(1)

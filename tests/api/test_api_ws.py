@@ -107,9 +107,25 @@ async def test_cancel_and_busy(server):
         assert done["type"] == "done" and done["finish_reason"] == "cancelled"
         assert done["usage"]["generated_tokens"] < 400
 
-        await chat.send({"type": "cancel"})  # idle: nothing to cancel, no reply
+        await chat.send({"type": "cancel"})  # idle: nothing to cancel, and the answer says so
+        event = await chat.recv()
+        assert event["type"] == "error" and event["code"] == "no_active_turn" and event["message"]
         _, after = await chat.turn("Short answer please.")
         assert after["type"] == "done" and after["finish_reason"] in ("stop", "length")
+
+
+async def test_every_client_event_gets_an_answer(server):
+    """Even a cancel before any session, or after its turn is over, is answered (never silence)."""
+    async with WsChat.open(server.ws_url) as chat:
+        await chat.send({"type": "cancel"})
+        event = await chat.recv()
+        assert event["type"] == "error" and event["code"] == "no_active_turn"
+        await chat.create(mode="full")
+        _, done = await chat.turn("Say hi.", max_tokens=2)
+        assert done["type"] == "done"
+        await chat.send({"type": "cancel"})
+        event = await chat.recv()
+        assert event["type"] == "error" and event["code"] == "no_active_turn"
 
 
 async def test_closing_the_socket_mid_turn_cancels_it(server):

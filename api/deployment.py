@@ -4,22 +4,30 @@
 ``RayBackend`` whose requests ``SessionAffinityRouter`` pins to the session's replica. Each
 replica registers the sessions it serves with ``@serve.multiplexed`` (the router prefers a
 replica that holds the session); the registry is only routing data, the sessions themselves
-live in the service.
+live in the service. ``deploy`` / ``run_ray`` start Ray, its HTTP proxy and the application
+(``rocketkv-mt serve``).
 """
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import time
 from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from app.engine.errors import EngineError
+from api.server import build_service, served_model_name, with_stats_route
+from app.contract.errors import ChatError
+from app.contract.events import TurnStarted
 from app.settings import ServerSettings
 
 # Read at import because the decorator needs it at class creation (replicas inherit the env).
 MAX_HELD = int(os.environ.get("RKV_MAX_SESSIONS_PER_REPLICA", "1024"))
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+APP_NAME = "rocketkv-mt"
+log = logging.getLogger(__name__)
 
 
 def replica_name() -> str:
@@ -31,8 +39,6 @@ class ChatReplica:
     def __init__(self, settings: dict[str, Any]):
         for key, value in WORKER_ENV.items():
             os.environ.setdefault(key, value)
-        from app.serve import build_service  # torch and transformers load in chat replicas only
-
         self.service = build_service(ServerSettings(**settings), replica_name())
 
     async def check_health(self) -> None:
@@ -48,7 +54,7 @@ class ChatReplica:
         self.service.start()
         try:
             result = await method(*args)
-        except EngineError as exc:
+        except ChatError as exc:
             return {"error": {"code": exc.code, "message": exc.message}}
         if sid:
             await self._hold(sid)
@@ -83,7 +89,7 @@ class ChatReplica:
 
     async def chat(self, sid, token, content, sampling, history=None, owner=None):
         async for event in self.service.chat(sid, token, content, sampling, history, owner):
-            if event["type"] == "start":
+            if event.type == TurnStarted.type:
                 await self._hold(sid)
             yield event
 
@@ -91,8 +97,7 @@ class ChatReplica:
 @serve.ingress()
 class Ingress:
     def __init__(self, chat: Any, settings: dict[str, Any]):
-        from app.ray_backend import RayBackend
-        from app.serve import served_model_name
+        from api.ray_backend import RayBackend
 
         config = ServerSettings(**settings)
         self.settings = config
@@ -100,7 +105,6 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         from api.routes import create_app
-        from app.serve import with_stats_route
 
         return with_stats_route(create_app(self.backend, self.settings))
 
@@ -137,7 +141,7 @@ def build_app(settings: ServerSettings):
             },
         },
         max_ongoing_requests=settings.max_ongoing_requests,
-        request_router_config=RequestRouterConfig(request_router_class="app.ray_router.SessionAffinityRouter"),
+        request_router_config=RequestRouterConfig(request_router_class="api.ray_router.SessionAffinityRouter"),
         **scaling,
     )
     ingress = serve.deployment(Ingress).options(
@@ -149,3 +153,47 @@ def build_app(settings: ServerSettings):
     # Only the ingress checks API keys; chat replicas never see them.
     replica_config = {k: v for k, v in config.items() if k != "api_key"}
     return ingress.bind(chat.bind(replica_config), config)
+
+
+def start_ray(settings: ServerSettings) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if settings.ray_address:
+        ray.init(address=settings.ray_address, runtime_env={"env_vars": WORKER_ENV})
+        return
+    ray.init(
+        num_cpus=settings.ray_num_cpus,
+        include_dashboard=False,
+        object_store_memory=settings.ray_object_store_bytes,
+        runtime_env={"env_vars": WORKER_ENV},
+        logging_level=logging.WARNING,
+    )
+
+
+def deploy(settings: ServerSettings):
+    """Start Ray (if needed), the HTTP proxy and the application; returns the ingress handle."""
+    start_ray(settings)
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    return serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+
+
+def run_ray(settings: ServerSettings) -> int:
+    import ray
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        deploy(settings)
+        log.warning("serving on http://%s:%d (Ray Serve)", settings.host, settings.port)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

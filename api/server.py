@@ -1,0 +1,79 @@
+"""The composition root: the pieces of a server built and wired together.
+
+``build_service`` makes a replica's ``ChatService`` (engine, session store, limits) from settings;
+``build_local_app`` puts the FastAPI routes over it in this process (tests, ``serve --no-ray``);
+``api.deployment`` puts the same routes over Ray Serve replicas that each hold one service.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from app.model_registry import display_name
+from app.settings import ServerSettings
+
+if TYPE_CHECKING:  # the engine imports torch; building the CLI parser and the Ray ingress must stay light
+    from app.chat_service import ChatService
+    from app.session_store import SessionStore
+
+log = logging.getLogger(__name__)
+
+
+def served_model_name(settings: ServerSettings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    return display_name(settings.model)
+
+
+def make_store(settings: ServerSettings) -> "SessionStore | None":
+    from app.session_store import SessionStore
+
+    if not settings.redis_url:
+        return None
+    return SessionStore(settings.redis_url, settings.redis_namespace, settings.redis_ttl_s)
+
+
+def build_service(settings: ServerSettings, replica: str | None = None, loaded=None) -> "ChatService":
+    from app.chat_service import ChatService
+    from app.engine.engine import Engine
+
+    engine = Engine(settings, loaded=loaded)
+    return ChatService(
+        engine,
+        replica or settings.replica_id,
+        make_store(settings),
+        settings.idle_evict_s,
+        max_sessions=settings.max_sessions_per_replica,
+    )
+
+
+def build_local_app(settings: ServerSettings, loaded=None):
+    """The app over an in-process engine (no Ray): tests and ``serve --no-ray``."""
+    from api.backend import LocalBackend
+    from api.routes import create_app
+
+    app = create_app(LocalBackend(build_service(settings, loaded=loaded), served_model_name(settings)), settings)
+    return with_stats_route(app)
+
+
+def with_stats_route(app):
+    """Add ``GET /v1/stats``: the backend's totals as JSON (sessions, bytes per tier, device budget,
+    peak device bytes, parked sessions, refused turns, batching figures); ``bench serve`` reads it."""
+    backend = app.state.backend
+
+    @app.get("/v1/stats", tags=["ops"])
+    async def stats():
+        return await backend.stats()
+
+    return app
+
+
+def run_local(settings: ServerSettings) -> int:
+    import uvicorn
+
+    app = build_local_app(settings)
+    log.warning("serving on http://%s:%d (in-process, no Ray)", settings.host, settings.port)
+    # Frames over the limit are refused by the protocol layer (close 1009) before anyone buffers them.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", ws_ping_interval=30,
+                ws_max_size=settings.max_request_bytes + 1024)
+    return 0

@@ -1,0 +1,88 @@
+"""What a turn streams to its caller: ``TurnStarted``, ``Delta``s, then one ``Done``; or one
+``TurnFailed`` (before anything else when the turn cannot start, or after the last delta when it
+breaks or its replica is lost).
+
+Frozen dataclasses, so they cross a Ray boundary as they are; ``as_dict`` is the plain-data form
+that ``api`` validates into its wire events.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+from app.contract.errors import ChatError
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int  # whole history at the start of the turn, new message included
+    prefilled_tokens: int  # tokens the turn fed through the model before decoding
+    generated_tokens: int
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    device_bytes: int
+    host_bytes: int = 0
+    redis_bytes: int = 0
+    readmitted_tokens: int = 0
+    history_tokens: int = 0
+    device_tokens: int = 0
+    # Bytes the last turn moved between tiers (``tiers.base.Traffic``).
+    cold_bytes_read: int = 0
+    redis_bytes_read: int = 0
+    digest_bytes_read: int = 0
+    bytes_demoted: int = 0
+    redis_bytes_written: int = 0
+
+
+class _Event:
+    type: ClassVar[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"type": self.type, **dataclasses.asdict(self)}  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class TurnStarted(_Event):
+    """The turn was accepted, and where: the caller learns the replica before any text."""
+
+    session_id: str
+    replica: str
+    type: ClassVar[str] = "start"
+
+
+@dataclass(frozen=True)
+class Delta(_Event):
+    text: str
+    type: ClassVar[str] = "delta"
+
+
+@dataclass(frozen=True)
+class Done(_Event):
+    finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled"
+    usage: Usage
+    memory: MemoryStats
+    replica: str
+    session_id: str
+    ttft_ms: float = 0.0
+    latency_ms: float = 0.0
+    type: ClassVar[str] = "done"
+
+
+@dataclass(frozen=True)
+class TurnFailed(_Event):
+    code: str
+    message: str
+    type: ClassVar[str] = "error"
+
+    @classmethod
+    def of(cls, error: ChatError) -> "TurnFailed":
+        return cls(error.code, error.message)
+
+    def error(self) -> ChatError:
+        return ChatError.from_code(self.code, self.message)
+
+
+TurnEvent = Union[TurnStarted, Delta, Done, TurnFailed]
