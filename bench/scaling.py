@@ -91,12 +91,10 @@ async def run(args) -> dict:
                 cache_mode, overrides = variant(mode)
                 turns = await conversation(engines.get(overrides), cache_mode, args.budget, first, params)
                 row["modes"][mode] = {"turn1": turns[0], "turn2": turns[1], "turn3": turns[2]}
-            spec = some.runner.spec
             full3 = row["modes"].get("full", {}).get("turn3")
             # The history's whole KV: every layer's keys and values of every token before turn 3's reply.
-            elem = 2 if str(spec.dtype) in ("torch.bfloat16", "torch.float16") else 4
             row["history_tokens"] = history = _history_tokens(row, modes)
-            row["history_kv_bytes"] = history * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * elem
+            row["history_kv_bytes"] = history * some.memory_account.per_token
             for mode in modes:
                 t1, t3 = row["modes"][mode]["turn1"], row["modes"][mode]["turn3"]
                 t3["bytes_read_vs_history_kv"] = round(t3["bytes_read"] / row["history_kv_bytes"], 4)

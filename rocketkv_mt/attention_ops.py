@@ -8,24 +8,15 @@ import torch.nn.functional as F
 PREFILL_ROWS = 1024
 
 
-def dense_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, visible: torch.Tensor | None = None
-) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
     """Causal attention of the last n keys' queries over all keys.
 
     q: (Hq, n, d), the queries of the last n of the L keys; keys/values: (Hkv, L, d).
     Returns (Hq, n, d). Query i sits at position L - n + i and sees keys 0..L - n + i.
-    The keys before the last n may be in any order (they are all in every query's past); slots where
-    ``visible`` (Hkv, L) is False hold no token and are skipped.
     """
     hq, n, _ = q.shape
     length = keys.shape[1]
     k, v = keys.unsqueeze(0), values.unsqueeze(0)
-    if visible is not None and not bool(visible.all()):
-        q_pos = torch.arange(length - n, length, device=q.device)
-        return positional_attention(
-            q, q_pos, keys, values, torch.arange(length, device=q.device).expand_as(visible), visible, scaling
-        )
     if n == 1:
         return F.scaled_dot_product_attention(q.unsqueeze(0), k, v, scale=scaling, enable_gqa=True)[0]
     out = torch.empty_like(q)

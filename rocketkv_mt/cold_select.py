@@ -12,6 +12,8 @@ per head, d head dim.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 # exp() of a bound far above the normaliser is still a ranking, not a probability: cap it before exp.
@@ -29,6 +31,11 @@ def page_bounds(q_win: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lse
     q = q_win.reshape(hkv, (hq // hkv) * w, d).float()
     bound = (q.clamp(min=0) @ kmax.float().transpose(1, 2) + q.clamp(max=0) @ kmin.float().transpose(1, 2)) * scaling
     return torch.exp((bound - lse.unsqueeze(-1)).clamp(max=_MAX_LOG_RATIO)).sum(dim=1)
+
+
+def pages_per_head(fraction: float, prompt_budget: int, page_tokens: int) -> int:
+    """Cold pages a ``digest`` turn reads per KV head and layer: ``fraction`` of the prompt budget's tokens."""
+    return math.ceil(fraction * prompt_budget / page_tokens)
 
 
 def candidate_pages(scores: torch.Tensor, live: torch.Tensor, per_head: int) -> list[torch.Tensor]:

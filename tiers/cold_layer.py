@@ -191,13 +191,13 @@ class ColdLayer:
         p = self.page_tokens
         n = max((int(x.numel()) for x in pages), default=0)
         ids = [self.heads[i].ids[j] for i, x in enumerate(pages) for j in x.tolist()]
-        batch, from_redis = self.host.read_many(self.session_id, ids) if ids else ({}, 0)
         hkv, d = len(self.heads), self.heads[0].kmin.data.shape[1]
-        counts = [int(x.numel()) for x in pages]
         if not ids:
             empty = torch.zeros(hkv, 0, d, dtype=self.dtype, device=device)
             none = torch.zeros(hkv, 0, dtype=torch.long, device=device)
             return empty, empty.clone(), none, none.bool(), none.clone()
+        batch, from_redis = self.host.read_many(self.session_id, ids)
+        counts = [int(x.numel()) for x in pages]
         traffic.cold_bytes_read += len(ids) * self.host.page_bytes
         traffic.redis_bytes_read += from_redis
         k, v = self.codec.decode({name: t.to(device, non_blocking=True) for name, t in batch.items()}, self.dtype)

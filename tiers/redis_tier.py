@@ -154,13 +154,6 @@ class RedisTier:
 
         return not keys or self._run(op(), default=-1) == len(keys)
 
-    def put_tensors(self, session_id: str, name: str, tensors: dict[str, torch.Tensor]) -> bool:
-        """Store named tensors under the session's key ``name`` (raw bytes + JSON header)."""
-        return self.put_pages(session_id, {name: tensors})
-
-    def get_tensors(self, session_id: str, name: str) -> dict[str, torch.Tensor] | None:
-        return self.get_pages(session_id, [name])[0]
-
     def _account_write(self, key: str, nbytes: int) -> None:
         if key not in self._sizes:
             self.stats.entries += 1

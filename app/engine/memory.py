@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from rocketkv_mt.cache import CacheSpec
+from rocketkv_mt.cold_select import pages_per_head
 
 if TYPE_CHECKING:
     from app.engine.session import Session
@@ -81,7 +82,7 @@ class DeviceMemory:
                 else:
                     # The pages read back for every layer, held until its first decode step settles
                     # the selection, plus one layer's digests and attention scratch.
-                    pages = math.ceil(self.digest_candidates * pb / self.page_tokens)
+                    pages = pages_per_head(self.digest_candidates, pb, self.page_tokens)
                     bound += pt * min(fed, pages * self.page_tokens) + lt * 2 * (math.ceil(fed / self.page_tokens) + n)
         return max(bound, held + lt * n)
 

@@ -8,7 +8,6 @@ best ones, so a turn's traffic follows the prompt budget, not the history.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -16,8 +15,8 @@ import torch
 
 from rocketkv_mt.attention_ops import dense_attention, positional_attention
 from rocketkv_mt.cache.rocketkv import RocketKVCache
-from rocketkv_mt.cold_select import candidate_pages, page_bounds
-from rocketkv_mt.reselect import choose, scattered_window_scores, scores_by_position
+from rocketkv_mt.cold_select import candidate_pages, page_bounds, pages_per_head
+from rocketkv_mt.reselect import choose, reselect, scores_by_position
 from rocketkv_mt.split_attention import attend_part, merge, window_probs
 from tiers.base import batch_nbytes
 from tiers.codec import PageCodec, RawCodec
@@ -101,8 +100,9 @@ class TieredCache(RocketKVCache):
         if not cold.has_pages():
             # Nothing cold yet (a first turn): the device holds the history in order, as SnapKV sees it.
             out = dense_attention(q, store.keys, store.values, scaling)
-            raw = scattered_window_scores(q[:, -w:], store.keys, store.positions, None, total, scaling)
-            slots, positions, scores = choose(raw, store.positions, None, total, w, split.prompt_budget, split.kernel_size)
+            slots, positions, scores = reselect(
+                q[:, -w:], store.keys, store.positions, None, total, split.prompt_budget, split.kernel_size, scaling
+            )
             self._reorganise(layer, slots, positions, scores, None)
             return self._selected_attention(layer, q, scaling) if self.tiers.prefill_attention == "selected" else out
         # The device part first (primary set and the turn, the turn causal); its normaliser ranks the
@@ -178,7 +178,7 @@ class TieredCache(RocketKVCache):
             kmin, kmax, live, nbytes = cold.digests(dev)
             self.traffic.digest_bytes_read += nbytes
             lse = lse_win.reshape(kmin.shape[0], -1)
-            per_head = math.ceil(self.tiers.candidates * self.split.prompt_budget / self.tiers.page_tokens)
+            per_head = pages_per_head(self.tiers.candidates, self.split.prompt_budget, self.tiers.page_tokens)
             pages = candidate_pages(page_bounds(q_win, kmin, kmax, lse, scaling), live, per_head)
         return cold.fetch(pages, dev, self.traffic)
 
