@@ -5,7 +5,14 @@ per-channel key bounds [kmin, kmax], q·k <= sum_c max(q_c kmin_c, q_c kmax_c) f
 page (Quest's bound). The softmax normaliser of each window query is at least the one over the keys
 the device already holds (primary set and the new turn), so exp(bound - lse_device) bounds each
 query's share of any token of the page; summed over the window and the query heads of the KV group,
-it bounds the page's best Stage-1 score. The pages with the highest bounds are fetched.
+it bounds the page's best Stage-1 score.
+
+Stage 1 then max-pools the scores over ``kernel_size`` positions before it picks, so a cold token is
+also kept when a neighbour scores high, a device token as much as a cold one (SnapKV keeps spans).
+``smoothed_page_bounds`` carries that through: each cold position gets its page's bound, each device
+position its raw score over the device keys (also an upper bound, for the same normaliser reason),
+and the pooled maximum over a page's cold positions bounds the best score Stage 1 can give any of
+them. The pages with the highest smoothed bounds are fetched.
 
 Shapes: Hq query heads, Hkv KV heads, g = Hq / Hkv, w window queries, T device slots, N cold pages
 per head, d head dim.
@@ -15,6 +22,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from rocketkv_mt.stage1 import smooth
 
 # exp() of a bound far above the normaliser is still a ranking, not a probability: cap it before exp.
 _MAX_LOG_RATIO = 60.0
@@ -31,6 +40,26 @@ def page_bounds(q_win: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lse
     q = q_win.reshape(hkv, (hq // hkv) * w, d).float()
     bound = (q.clamp(min=0) @ kmax.float().transpose(1, 2) + q.clamp(max=0) @ kmin.float().transpose(1, 2)) * scaling
     return torch.exp((bound - lse.unsqueeze(-1)).clamp(max=_MAX_LOG_RATIO)).sum(dim=1)
+
+
+def smoothed_page_bounds(
+    bounds: torch.Tensor, page_pos: torch.Tensor, device_raw: torch.Tensor, kernel_size: int
+) -> torch.Tensor:
+    """Upper bound of the best max-pooled Stage-1 score of each page's cold tokens: (Hkv, N) float32.
+
+    bounds (Hkv, N) from ``page_bounds``; page_pos (Hkv, N, P) the positions of each page's cold
+    tokens (-1: promoted, padding or no page); device_raw (Hkv, H - w) the raw window scores over the
+    device keys by position (0 where the device holds nothing). A page with no cold token gets -inf."""
+    hkv, n, p = page_pos.shape
+    prefix = device_raw.shape[1]
+    cold = (page_pos >= 0) & (page_pos < prefix)
+    target = torch.where(cold, page_pos, prefix).view(hkv, n * p)  # the spare column takes the rest
+    upper = torch.zeros(hkv, prefix + 1, dtype=torch.float32, device=bounds.device)
+    upper.scatter_reduce_(1, target, bounds.float().unsqueeze(-1).expand(hkv, n, p).reshape(hkv, n * p), reduce="amax")
+    upper = torch.maximum(upper[:, :prefix], device_raw.float())
+    pooled = torch.cat([smooth(upper, kernel_size), upper.new_zeros(hkv, 1)], dim=1)
+    best = pooled.gather(1, target).view(hkv, n, p).masked_fill(~cold.view(hkv, n, p), float("-inf"))
+    return best.amax(dim=2) if p else best.new_full((hkv, n), float("-inf"))
 
 
 def pages_per_head(fraction: float, prompt_budget: int, page_tokens: int) -> int:

@@ -118,6 +118,17 @@ class ColdLayer:
         nbytes = 2 * sum(h.kmin.data.numel() for h in self.heads) * kmin.element_size()
         return kmin.to(device), kmax.to(device), live.to(device), nbytes
 
+    def cold_positions(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """Positions (Hkv, N, P) of each page's cold tokens (-1: promoted, padding, or no such page of
+        that head), pages as ``digests`` orders them, and the bytes read (int32 positions and flags)."""
+        n = max(h.pos.length for h in self.heads)
+        p = self.page_tokens
+        out = torch.full((len(self.heads), n, p), -1, dtype=torch.long)
+        for i, h in enumerate(self.heads):
+            out[i, : h.pos.length] = h.pos.data.masked_fill(~h.alive.data, -1)
+        nbytes = sum(h.pos.data.numel() for h in self.heads) * (4 + 1)
+        return out.to(device), nbytes
+
     # --- moves -------------------------------------------------------------------------------
     def demote(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> int:
         """Make cold the tokens where mask (Hkv, L) is set; returns the page bytes written.

@@ -40,8 +40,9 @@ from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
 from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
 from app.engine.persistence import kv_keys, persist_session, restore_session
+from app.engine.replay import replay, replayable
 from app.engine.sampling import SamplingParams, make_generator, sample
-from app.engine.session import Session, TurnStats
+from app.engine.session import Feed, Session, TurnStats
 from app.model_loader import LoadedModel, load_model
 from app.settings import Settings
 from rocketkv_mt.cache import CACHE_MODES, SessionCache, TierContext, make_cache
@@ -348,18 +349,28 @@ class Engine:
             if session.cache is None:  # parked, restored from Redis, or after a failed step
                 await self._step(lambda: self._materialize(session))
             cache = session.cache
-            prefill_ids = session.token_ids[cache.history_len :]
+            if cache.history_len == 0:
+                session.feeds.clear()
+            fed = cache.history_len
+            prefill_ids = session.token_ids[fed:]
             stats.prefilled_tokens = len(prefill_ids)
             try:
                 logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new)
             except ChunkUnavailable as exc:
                 # Part of the cold history is unreadable (spilled to Redis, which is down now): the token
-                # ids still hold all of it, so this same turn rebuilds the cache from them.
-                log.warning("session %s: %s; re-prefilling its history in this turn", session.id, exc)
+                # ids still hold all of it, so this same turn rebuilds the cache from them, exactly
+                # (the earlier turns replayed as they were fed) when the session's log allows it.
+                feeds = session.feeds if replayable(session.feeds, fed) else []
+                log.warning("session %s: %s; rebuilding its cache in this turn (%s)", session.id, exc,
+                            f"replaying {len(feeds)} turns" if feeds else "one prefill of the history")
                 cache = await self._step(lambda: self._rebuild_cache(session))
                 self._admit(session, 0, max_new)  # the bound of a whole re-prefill, or a structured refusal
+                await replay(self.batcher, session.id, cache, session.token_ids, feeds)
+                session.feeds = list(feeds)
+                prefill_ids = session.token_ids[cache.history_len :]
                 stats.prefilled_tokens = len(session.token_ids)
-                logits = await self.batcher.prefill(session.id, cache, session.token_ids, max_new)
+                logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new)
+            session.feeds.append(Feed(len(prefill_ids), max_new))
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
             with self.batcher.decoding():
                 while True:
@@ -381,6 +392,7 @@ class Engine:
                         finish = "cancelled"
                         break
                     logits = await self.batcher.decode(session.id, cache, token)
+                    session.feeds[-1].decodes += 1
         except (GeneratorExit, asyncio.CancelledError):
             finish = "cancelled"
             raise

@@ -15,7 +15,7 @@ import torch
 
 from rocketkv_mt.attention_ops import dense_attention, positional_attention
 from rocketkv_mt.cache.rocketkv import RocketKVCache
-from rocketkv_mt.cold_select import candidate_pages, page_bounds, pages_per_head
+from rocketkv_mt.cold_select import candidate_pages, page_bounds, pages_per_head, smoothed_page_bounds
 from rocketkv_mt.reselect import choose, reselect, scores_by_position
 from rocketkv_mt.split_attention import attend_part, merge, window_probs
 from tiers.base import batch_nbytes
@@ -108,7 +108,7 @@ class TieredCache(RocketKVCache):
         # The device part first (primary set and the turn, the turn causal); its normaliser ranks the
         # cold pages; the pages read back are the second part; one exact softmax over both.
         device = attend_part(q, store.keys, store.values, scaling, w, own_tail=n)
-        cand = self._read_candidates(layer, q[:, -w:], device.lse[:, -w:], scaling)
+        cand = self._read_candidates(layer, q[:, -w:], device, total, scaling)
         parts = [device]
         if cand[0].shape[1]:
             parts.append(attend_part(q, cand[0], cand[1], scaling, w, visible=cand[3]))
@@ -166,21 +166,23 @@ class TieredCache(RocketKVCache):
         self.on_selected(layer, scores)
         self.build_kt(layer)
 
-    def _read_candidates(self, layer: int, q_win: torch.Tensor, lse_win: torch.Tensor, scaling: float):
+    def _read_candidates(self, layer: int, q_win: torch.Tensor, device, total: int, scaling: float):
         """The cold pages this turn scores, read from the tiers: keys, values (Hkv, M, d), positions,
         alive, flat cold slots (Hkv, M). ``exhaustive``: all pages with cold tokens; ``digest``: the
-        pages whose bounds rank highest, a budgeted number per KV head. ``lse_win`` (Hq, w): the
-        window rows' normaliser over the device keys."""
-        cold, dev = self.cold[layer], self.spec.device
+        pages whose smoothed bounds rank highest, a budgeted number per KV head. ``device``: the
+        attention part over the device keys (its normaliser and window scores bound the final ones)."""
+        cold, dev, split = self.cold[layer], self.spec.device, self.split
         if self.tiers.reselect == "exhaustive":
-            pages = cold.live_pages()
-        else:
-            kmin, kmax, live, nbytes = cold.digests(dev)
-            self.traffic.digest_bytes_read += nbytes
-            lse = lse_win.reshape(kmin.shape[0], -1)
-            per_head = pages_per_head(self.tiers.candidates, self.split.prompt_budget, self.tiers.page_tokens)
-            pages = candidate_pages(page_bounds(q_win, kmin, kmax, lse, scaling), live, per_head)
-        return cold.fetch(pages, dev, self.traffic)
+            return cold.fetch(cold.live_pages(), dev, self.traffic)
+        kmin, kmax, live, nbytes = cold.digests(dev)
+        page_pos, pos_bytes = cold.cold_positions(dev)
+        self.traffic.digest_bytes_read += nbytes + pos_bytes
+        w = q_win.shape[1]
+        lse = device.lse[:, -w:].reshape(kmin.shape[0], -1)
+        device_raw = scores_by_position(window_probs(device, device.lse), self.layers[layer].positions, None, total, w)
+        bounds = smoothed_page_bounds(page_bounds(q_win, kmin, kmax, lse, scaling), page_pos, device_raw, split.kernel_size)
+        per_head = pages_per_head(self.tiers.candidates, split.prompt_budget, self.tiers.page_tokens)
+        return cold.fetch(candidate_pages(bounds, live, per_head), dev, self.traffic)
 
     def after_prefill(self, layer: int, q: torch.Tensor, scaling: float) -> None:  # prefill_attention does it all
         raise NotImplementedError
