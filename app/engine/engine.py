@@ -45,11 +45,12 @@ from app.engine.sampling import SamplingParams, make_generator, sample
 from app.engine.session import Feed, Session, TurnStats
 from app.model_loader import LoadedModel, load_model
 from app.settings import Settings
-from rocketkv_mt.cache import CACHE_MODES, SessionCache, TierContext, make_cache
+from rocketkv_mt.cache import CACHE_MODES, SessionCache, TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
 from tiers.codec import make_codec
 from tiers.host import ChunkUnavailable, HostTier
 from tiers.redis_tier import RedisTier
+from tiers.transfers import Transfers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,11 +69,15 @@ class Engine:
             RedisTier(settings.redis_url, settings.redis_namespace, settings.redis_ttl_s) if settings.redis_url else None
         )
         self.host_tier = HostTier(settings.host_tier_bytes, self.redis)
-        self.memory_account = DeviceMemory(
-            settings.device_budget_bytes, self.runner.spec,
-            digest_candidates=settings.digest_candidates if settings.reselect == "digest" else None,
+        self.transfers = Transfers(self.runner.device)  # cold pages read while the model computes
+        self.tier_policy = TierPolicy(
             page_tokens=settings.page_tokens,
+            prefill_attention=settings.prefill_attention,
+            reselect=settings.reselect,
+            candidates=settings.digest_candidates,
+            codec=make_codec("int8" if settings.cold_dtype == "int8" else "raw"),
         )
+        self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec, self.tier_policy)
         self.parking = True  # make room for a turn by parking idle sessions (else refuse it)
         # One model thread: the model steps of all sessions run there, batched (app/engine/batcher.py).
         self.batcher = Batcher(self.runner, on_step=self._after_step, threads=settings.threads)
@@ -139,15 +144,8 @@ class Engine:
 
     def new_cache(self, mode: str, rocket: RocketKVConfig, session_id: str = "local") -> SessionCache:
         """An empty cache of this engine's model; tiered caches keep cold tokens in this engine's tiers."""
-        tiers = TierContext(
-            host=self.host_tier,
-            session_id=session_id,
-            page_tokens=self.settings.page_tokens,
-            prefill_attention=self.settings.prefill_attention,
-            reselect=self.settings.reselect,
-            candidates=self.settings.digest_candidates,
-            codec=make_codec("int8" if self.settings.cold_dtype == "int8" else "raw"),
-        )
+        tiers = TierContext(host=self.host_tier, session_id=session_id, policy=self.tier_policy,
+                            transfers=self.transfers)
         return make_cache(mode, self.runner.spec, rocket, tiers=tiers)
 
     def get_session(self, session_id: str, owner: str | None = None) -> Session:
@@ -467,6 +465,7 @@ class Engine:
 
     def close(self) -> None:
         self.batcher.close()
+        self.transfers.close()
         if self.redis is not None:
             self.redis.close()
 

@@ -38,7 +38,7 @@ async def test_a_host_tier_smaller_than_one_layers_cold_history_changes_no_reply
     assert history >= 4000
     one_layer_cold = (history - roomy.cache.kept_tokens()) * 3 * 64 * 2 * 4
     assert TIGHT < one_layer_cold
-    assert roomy.cache.tiers.host.overflow_slots == 0
+    assert roomy.cache.prefill.tiers.host.overflow_slots == 0
     # The session's log accounts for every token its cache was fed: one feed per turn.
     assert len(roomy.feeds) == 3 and replayable(roomy.feeds, roomy.cache.history_len)
 

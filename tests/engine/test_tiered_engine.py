@@ -22,7 +22,7 @@ PAGE_BYTES = 32 * 64 * 2 * 4  # one cold page of the bundled model: 32 tokens of
 
 def positions_held(cache, layer: int, head: int) -> torch.Tensor:
     primary = cache.layers[layer].positions[head].cpu()
-    return torch.cat([primary, cache.cold[layer].held_positions(head)]).sort().values
+    return torch.cat([primary, cache.prefill.cold[layer].held_positions(head)]).sort().values
 
 
 async def converse(engine, session, turns):
