@@ -41,6 +41,10 @@ class Session:
     # A parked session (its cache dropped from the device to make room): the record its cache's
     # ``persist()`` wrote, restored at its next turn; None with no cache means re-prefill the history.
     parked_kv: dict | None = None
+    # The last finished turn as its caller's retry gets it back ({"key", "text", "finish_reason",
+    # "usage", "ttft_ms", "latency_ms", "replica"}): a turn sent again under the same idempotency key
+    # is answered from here instead of running twice (``app.session_turns``). Kept for the service.
+    last_turn: dict | None = None
     busy: bool = False
     cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)

@@ -54,7 +54,7 @@ async def test_a_host_tier_smaller_than_one_layers_cold_history_changes_no_reply
         # longer spill: the host tier grows past its bound instead of losing one.
         engine = make_engine(redis_url=redis_server.url, redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
                              host_tier_bytes=TIGHT)
-        engine.redis.timeout_s = 0.3
+        engine.redis.client.timeout_s = 0.3
         outage, dones = await run(engine, stop_after_first=redis_server.stop)
         first_reply = len(roomy.token_ids) - sum(d.usage.prefilled_tokens for d in roomy_done[1:]) - sum(
             d.usage.generated_tokens for d in roomy_done[1:])
