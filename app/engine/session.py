@@ -53,6 +53,10 @@ class Session:
     parked_kv: dict | None = None
     # What the current cache was fed since it was created, turn by turn (an exact rebuild replays it).
     feeds: list[Feed] = field(default_factory=list)
+    # The last finished turn as its caller's retry gets it back ({"key", "text", "finish_reason",
+    # "usage", "ttft_ms", "latency_ms", "replica"}): a turn sent again under the same idempotency key
+    # is answered from here instead of running twice (``app.session_turns``). Kept for the service.
+    last_turn: dict | None = None
     busy: bool = False
     cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)

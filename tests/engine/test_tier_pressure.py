@@ -58,7 +58,7 @@ async def test_a_host_tier_smaller_than_one_layers_cold_history_changes_no_reply
         # grows past its bound instead of losing one.
         engine = make_engine(redis_url=redis_server.url, redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
                              host_tier_bytes=TIGHT)
-        engine.redis.timeout_s = 0.3
+        engine.redis.client.timeout_s = 0.3
         outage, dones = await run(engine, stop_after_first=redis_server.stop)
         assert outage.token_ids == roomy.token_ids
         assert dones[1].usage.prefilled_tokens > history and dones[2].usage.prefilled_tokens < 40
