@@ -6,9 +6,10 @@ query's exp(q·c·scale − lse_device), summed over the window and the query he
 where lse_device is the query's log-sum-exp over the keys the device holds (the primary set and the
 new turn). The pages with the highest scores are fetched.
 
-Measured on the bundled model (``mt_2k``, exhaustive re-selection as the reference, per KV head and
-layer): with half the prompt budget's worth of pages, the centroid ranking held 75.6% of the cold
-tokens that exhaustive re-admitted, the per-channel min/max bound (Quest's) 65.8%. The bound is safe
+Measured on the bundled model (``mt_2k``, first 2 conversations, exhaustive re-selection as the
+reference, per KV head and layer): with half the prompt budget's worth of pages, the centroid
+ranking held 75.6% of the cold tokens that exhaustive re-admitted, the per-channel min/max bound
+(Quest's) 65.8%. The bound is safe
 but loose for 32 keys of 64 channels: a page with one outlier key ranks as high as a page of them.
 
 Shapes: Hq query heads, Hkv KV heads, g = Hq / Hkv, w window queries, N cold pages per head, d head dim.
