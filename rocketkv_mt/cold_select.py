@@ -1,18 +1,14 @@
-"""Which cold pages a new turn fetches: the ones whose key digests promise the highest Stage-1 score.
+"""Which cold pages a new turn fetches: the ones whose key digests bound Stage 1's score highest.
 
-Stage 1 scores a token by the softmax mass the observation window puts on it. A page's digest is the
-centroid of its cold keys; the page is scored as a token at its centroid would be: each window
-query's exp(q·c·scale − lse_device), summed over the window and the query heads of the KV group,
-where lse_device is the query's log-sum-exp over the keys the device holds (the primary set and the
-new turn). The pages with the highest scores are fetched.
+Stage 1 scores a token by the softmax mass the observation window puts on it. For a cold page with
+per-channel key bounds [kmin, kmax], q·k <= sum_c max(q_c kmin_c, q_c kmax_c) for every key in the
+page (Quest's bound). The softmax normaliser of each window query is at least the one over the keys
+the device already holds (primary set and the new turn), so exp(bound - lse_device) bounds each
+query's share of any token of the page; summed over the window and the query heads of the KV group,
+it bounds the page's best Stage-1 score. The pages with the highest bounds are fetched.
 
-Measured on the bundled model (``mt_2k``, first 2 conversations, exhaustive re-selection as the
-reference, per KV head and layer): with half the prompt budget's worth of pages, the centroid
-ranking held 75.6% of the cold tokens that exhaustive re-admitted, the per-channel min/max bound
-(Quest's) 65.8%. The bound is safe
-but loose for 32 keys of 64 channels: a page with one outlier key ranks as high as a page of them.
-
-Shapes: Hq query heads, Hkv KV heads, g = Hq / Hkv, w window queries, N cold pages per head, d head dim.
+Shapes: Hq query heads, Hkv KV heads, g = Hq / Hkv, w window queries, T device slots, N cold pages
+per head, d head dim.
 """
 from __future__ import annotations
 
@@ -20,21 +16,21 @@ import math
 
 import torch
 
-# exp() of a score far above the normaliser is still a ranking, not a probability: cap it before exp.
+# exp() of a bound far above the normaliser is still a ranking, not a probability: cap it before exp.
 _MAX_LOG_RATIO = 60.0
 
 
-def page_scores(q_win: torch.Tensor, centroids: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Stage-1 score of a token at each page's centroid: (Hkv, N) float32.
+def page_bounds(q_win: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Upper bound of each cold page's Stage-1 score: (Hkv, N) float32.
 
-    q_win (Hq, w, d); centroids (Hkv, N, d); lse (Hkv, g*w): each window row's log-sum-exp over the
-    keys on the device, rows in q_win.reshape(Hkv, g*w, d) order. Cold pages are history, so every
-    window query sees them."""
+    q_win (Hq, w, d); kmin/kmax (Hkv, N, d); lse (Hkv, g*w): each window row's log-sum-exp over the
+    keys on the device (``split_attention``'s first part), rows in q_win.reshape(Hkv, g*w, d) order. The cold pages sit
+    before the window (they are history), so every window query may see them."""
     hq, w, d = q_win.shape
-    hkv = centroids.shape[0]
+    hkv = kmin.shape[0]
     q = q_win.reshape(hkv, (hq // hkv) * w, d).float()
-    logits = torch.matmul(q, centroids.float().transpose(1, 2)) * scaling
-    return torch.exp((logits - lse.unsqueeze(-1)).clamp(max=_MAX_LOG_RATIO)).sum(dim=1)
+    bound = (q.clamp(min=0) @ kmax.float().transpose(1, 2) + q.clamp(max=0) @ kmin.float().transpose(1, 2)) * scaling
+    return torch.exp((bound - lse.unsqueeze(-1)).clamp(max=_MAX_LOG_RATIO)).sum(dim=1)
 
 
 def pages_per_head(fraction: float, prompt_budget: int, page_tokens: int) -> int:

@@ -1,8 +1,8 @@
 """The cold tokens of one layer of one session: per KV head, pages of P tokens and their digests.
 
 Bookkeeping only (which page holds which position, which of its tokens are still cold, and each
-page's key digest: the sum of its cold keys); the page bytes live in the host tier (or Redis, after
-a spill). A token's keys and values never change, so a page keeps a promoted token's copy: when that token is demoted again
+page's key bounds); the page bytes live in the host tier (or Redis, after a spill). A token's keys
+and values never change, so a page keeps a promoted token's copy: when that token is demoted again
 it only becomes cold again in place, and no byte moves. Every position therefore has at most one
 page slot per head, and the cold tier never holds more than the history.
 
@@ -46,14 +46,14 @@ class _Rows:
 
 
 class HeadPages:
-    """Pages of one KV head: ids, positions (N, P) int64 (-1: padding), alive (N, P), and the sum of
-    each page's cold keys (N, d) float32 (its digest: the centroid is that over the alive count)."""
+    """Pages of one KV head: ids, positions (N, P) int64 (-1: padding), alive (N, P), key bounds (N, d)."""
 
     def __init__(self, page_tokens: int, head_dim: int, dtype: torch.dtype):
         self.ids: list[str] = []
         self.pos = _Rows((page_tokens,), torch.long, fill=-1)
         self.alive = _Rows((page_tokens,), torch.bool, fill=False)
-        self.ksum = _Rows((head_dim,), torch.float32)
+        self.kmin = _Rows((head_dim,), dtype)
+        self.kmax = _Rows((head_dim,), dtype)
         self.slot_of = torch.full((0,), -1, dtype=torch.long)  # position -> flat slot (page * P + offset)
 
     def index_positions(self, first_page: int) -> None:
@@ -102,22 +102,21 @@ class ColdLayer:
         """Per head, the indices of pages holding at least one cold token."""
         return [torch.nonzero(h.alive.data.any(dim=1)).flatten() for h in self.heads]
 
-    def digests(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Centroids (Hkv, N, d) float32 of each page's cold keys, padded to the largest head (0 where
-        a page has none), ``live`` (Hkv, N) and the bytes read.
+    def digests(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(kmin, kmax) (Hkv, N, d) padded to the largest head, ``live`` (Hkv, N) and the bytes read.
 
-        Promoted tokens leave their page's centroid and come back into it when demoted again, so it is
-        always the mean of the keys a fetch of the page would hand to Stage 1 as cold."""
-        n = max(h.ksum.length for h in self.heads)
-        d = self.heads[0].ksum.data.shape[1]
-        centroids = torch.zeros(len(self.heads), n, d)
+        A page's bounds cover all its tokens, promoted ones too: still an upper bound of its cold ones."""
+        n = max(h.kmin.length for h in self.heads)
+        d = self.heads[0].kmin.data.shape[1]
+        kmin = torch.zeros(len(self.heads), n, d, dtype=self.dtype)
+        kmax = torch.zeros_like(kmin)
         live = torch.zeros(len(self.heads), n, dtype=torch.bool)
         for i, h in enumerate(self.heads):
-            count = h.alive.data.sum(dim=1)
-            centroids[i, : h.ksum.length] = h.ksum.data / count.clamp(min=1).unsqueeze(1)
-            live[i, : h.alive.length] = count > 0
-        nbytes = sum(h.ksum.data.numel() for h in self.heads) * 4
-        return centroids.to(device), live.to(device), nbytes
+            kmin[i, : h.kmin.length] = h.kmin.data
+            kmax[i, : h.kmax.length] = h.kmax.data
+            live[i, : h.alive.length] = h.alive.data.any(dim=1)
+        nbytes = 2 * sum(h.kmin.data.numel() for h in self.heads) * kmin.element_size()
+        return kmin.to(device), kmax.to(device), live.to(device), nbytes
 
     # --- moves -------------------------------------------------------------------------------
     def demote(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> int:
@@ -136,8 +135,6 @@ class ColdLayer:
             again = slots >= 0
             if again.any():
                 h.alive.data.view(-1)[slots[again]] = True
-                back = torch.nonzero(mask[i]).flatten()[again].to(keys.device)
-                h.ksum.data.index_add_(0, slots[again] // p, keys[i].index_select(0, back).float().cpu())
             fresh = torch.nonzero(mask[i]).flatten()[~again]
             if fresh.numel() == 0:
                 continue
@@ -147,7 +144,7 @@ class ColdLayer:
             k, v = keys[i].index_select(0, idx), values[i].index_select(0, idx)
             fpos = pos_cpu[i].index_select(0, fresh)
             if pad:
-                k = torch.cat([k, k[-1:].expand(pad, d)])  # padding: never alive, outside the digest
+                k = torch.cat([k, k[-1:].expand(pad, d)])  # a copy of the last key keeps the page's bounds
                 v = torch.cat([v, v.new_zeros(pad, d)])
                 fpos = torch.cat([fpos, fpos.new_full((pad,), -1)])
             new_k.append(k.view(pages, p, d))
@@ -161,10 +158,10 @@ class ColdLayer:
         self._made += len(owners)
         encoded = self.codec.encode(k, v)
         written = self.host.put_many(self.session_id, ids, encoded)
-        # Centroids of the keys a fetch gives back (with int8 these differ from k by up to half a step).
+        # Bounds of the keys a fetch gives back (with int8 these differ from k by up to half a step).
+        stored = self.codec.decode(encoded, self.dtype)[0]
+        kmin, kmax = stored.amin(dim=1).cpu(), stored.amax(dim=1).cpu()
         pos = torch.cat(new_pos)
-        stored = self.codec.decode(encoded, self.dtype)[0].float().cpu()
-        ksum = (stored * (pos >= 0).unsqueeze(-1)).sum(dim=1)
         owner_t = torch.tensor(owners)
         for i, h in enumerate(self.heads):
             rows = torch.nonzero(owner_t == i).flatten()
@@ -174,21 +171,18 @@ class ColdLayer:
             h.ids += [ids[r] for r in rows.tolist()]
             h.pos.append(pos[rows])
             h.alive.append(pos[rows] >= 0)
-            h.ksum.append(ksum[rows])
+            h.kmin.append(kmin[rows].to(self.dtype))
+            h.kmax.append(kmax[rows].to(self.dtype))
             h.index_positions(first)
         return written
 
-    def promote(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        """Mark flat cold slots (Hkv, m) (-1: none), whose keys are ``keys`` (Hkv, m, d), as held on
-        the device again."""
-        slots, keys = slots.cpu(), keys.float().cpu()
+    def promote(self, slots: torch.Tensor) -> None:
+        """Mark flat cold slots (Hkv, m) (-1: none) as held on the device again."""
+        slots = slots.cpu()
         for i, h in enumerate(self.heads):
-            taken = slots[i] >= 0
-            s = slots[i][taken]
+            s = slots[i][slots[i] >= 0]
             if s.numel():
                 h.alive.data.view(-1)[s] = False
-                h.ksum.data.index_add_(0, s // self.page_tokens, keys[i][taken], alpha=-1)
-                h.ksum.data[~h.alive.data.any(dim=1)] = 0  # an emptied page: no rounding left over
 
     def fetch(self, pages: list[torch.Tensor], device: torch.device, traffic: Traffic):
         """Read the given pages of each head (one batched read) -> keys, values (Hkv, M, d), positions,
@@ -197,7 +191,7 @@ class ColdLayer:
         p = self.page_tokens
         n = max((int(x.numel()) for x in pages), default=0)
         ids = [self.heads[i].ids[j] for i, x in enumerate(pages) for j in x.tolist()]
-        hkv, d = len(self.heads), self.heads[0].ksum.data.shape[1]
+        hkv, d = len(self.heads), self.heads[0].kmin.data.shape[1]
         if not ids:
             empty = torch.zeros(hkv, 0, d, dtype=self.dtype, device=device)
             none = torch.zeros(hkv, 0, dtype=torch.long, device=device)
@@ -231,7 +225,7 @@ class ColdLayer:
 
     def free(self) -> None:
         self.host.free_many(self.session_id, [pid for h in self.heads for pid in h.ids])
-        d = self.heads[0].ksum.data.shape[1]
+        d = self.heads[0].kmin.data.shape[1]
         self.heads = [HeadPages(self.page_tokens, d, self.dtype) for _ in self.heads]
 
     # --- persistence -------------------------------------------------------------------------
@@ -244,7 +238,8 @@ class ColdLayer:
         for i, h in enumerate(self.heads):
             out[f"pos{i}"] = h.pos.data.to(torch.int32)
             out[f"alive{i}"] = h.alive.data
-            out[f"ksum{i}"] = h.ksum.data
+            out[f"kmin{i}"] = h.kmin.data
+            out[f"kmax{i}"] = h.kmax.data
             out[f"ids{i}"] = torch.tensor([int(pid.rsplit("-", 1)[1]) for pid in h.ids], dtype=torch.int64)
         return out
 
@@ -259,6 +254,7 @@ class ColdLayer:
             h.ids = [f"{prefix}{n}" for n in tensors[f"ids{i}"].tolist()]
             h.pos.set(tensors[f"pos{i}"].long())
             h.alive.set(tensors[f"alive{i}"])
-            h.ksum.set(tensors[f"ksum{i}"].float())
+            h.kmin.set(tensors[f"kmin{i}"].to(self.dtype))
+            h.kmax.set(tensors[f"kmax{i}"].to(self.dtype))
             h.index_positions(0)
         self.host.adopt_many(self.session_id, self.page_ids())

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from rocketkv_mt.cold_select import candidate_pages, page_scores
+from rocketkv_mt.cold_select import candidate_pages, page_bounds
 from rocketkv_mt.reselect import reselect
-from rocketkv_mt.stage1 import snapkv_keep_indices
+from rocketkv_mt.stage1 import snapkv_keep_indices, window_scores
 
 
 def split_history(hkv: int, history: int, w: int, cold_n: int, gen: torch.Generator):
@@ -31,7 +31,7 @@ def window_lse(q_win, keys, key_pos, history_len, scaling):
 
 
 @pytest.mark.parametrize("group", [1, 4])
-def test_page_scores_are_the_stage1_score_of_a_token_at_the_centroid(group):
+def test_page_bounds_bound_every_cold_token_of_the_page(group):
     gen = torch.Generator().manual_seed(group)
     hkv, w, d, history, p, cold_n = 2, 6, 16, 120, 8, 48
     scaling = d ** -0.5
@@ -45,26 +45,27 @@ def test_page_scores_are_the_stage1_score_of_a_token_at_the_centroid(group):
     lse = window_lse(q, dev_keys, dev_pos, history, scaling)
     assert lse.shape == (hkv, group * w) and torch.isfinite(lse).all()
 
+    # Cold keys grouped in pages of p (the last page also has one page of a single repeated key).
     cold_keys = torch.stack([keys[h, cold_pos[h]] for h in range(hkv)]).view(hkv, cold_n // p, p, d)
-    centroids = cold_keys.mean(dim=2)
-    scores = page_scores(q, centroids, lse, scaling)
-    assert scores.shape == (hkv, cold_n // p) and scores.dtype == torch.float32
+    cold_keys = torch.cat([cold_keys, cold_keys[:, :1, :1].expand(hkv, 1, p, d)], dim=1)
+    kmin, kmax = cold_keys.amin(dim=2), cold_keys.amax(dim=2)
+    bounds = page_bounds(q, kmin, kmax, lse, scaling)
+    assert bounds.shape == (hkv, cold_keys.shape[1]) and bounds.dtype == torch.float32
+
+    # The exact quantity per cold key: sum over the window queries (and the group) of exp(q.k s - lse).
     qq = q.reshape(hkv, group * w, d).double()
-    logits = torch.einsum("hqd,hnd->hqn", qq, centroids.double()) * scaling
-    assert torch.allclose(scores.double(), torch.exp(logits - lse.double().unsqueeze(-1)).sum(1), rtol=1e-5)
+    logits = torch.einsum("hqd,hnpd->hqnp", qq, cold_keys.double()) * scaling
+    exact = torch.exp(logits - lse.double()[:, :, None, None]).sum(dim=1)  # (hkv, pages, p)
+    tol = 1e-5 * bounds.double() + 1e-30
+    assert (exact <= bounds.double().unsqueeze(-1) + tol.unsqueeze(-1)).all()
+    # A page of one repeated key: the bound is the key's own quantity (tight).
+    assert torch.allclose(bounds[:, -1].double(), exact[:, -1, 0], rtol=1e-4)
 
-    # A page of one repeated key: its score bounds that key's real Stage-1 score (whose normaliser
-    # also counts the key itself), and is close to it when the key takes a small share.
-    key = keys[:, :1]
-    one = page_scores(q, key, lse, scaling)[:, 0].double()
-    k_logits = torch.einsum("hqd,hnd->hqn", qq, key.double()).squeeze(-1) * scaling
-    real = torch.exp(k_logits - torch.logaddexp(lse.double(), k_logits)).sum(1)
-    assert (real <= one * (1 + 1e-6)).all()
-
-    # Ranking: a page of keys aligned with the window's queries outranks pages of random keys.
-    aligned = q.reshape(hkv, group * w, d).mean(dim=1, keepdim=True) * 3
-    ranked = page_scores(q, torch.cat([centroids, aligned], dim=1), lse, scaling)
-    assert (ranked.argmax(dim=1) == cold_n // p).all()
+    # And it bounds Stage 1's real score of each cold token (softmax over the whole history).
+    real = window_scores(q, keys, scaling)  # (hkv, history - w)
+    for h in range(hkv):
+        per_token = bounds[h, : cold_n // p].repeat_interleave(p)
+        assert (real[h, cold_pos[h]] <= per_token * (1 + 1e-5)).all()
 
 
 def brute_top(scores: torch.Tensor, live: torch.Tensor, k: int) -> list[torch.Tensor]:

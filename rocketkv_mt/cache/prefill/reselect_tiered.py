@@ -4,7 +4,7 @@ Stage 1 scores the history with the new window: selected cold tokens are promote
 unselected primary tokens are demoted (DESIGN §3).
 
 Which cold tokens a turn scores is the ``reselect`` policy: ``exhaustive`` reads every cold page;
-``digest`` ranks the cold pages by their key centroids (``rocketkv_mt.cold_select``) and reads only the
+``digest`` ranks the cold pages by their key bounds (``rocketkv_mt.cold_select``) and reads only the
 best ones, so a turn's traffic follows the prompt budget, not the history.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rocketkv_mt.attention_ops import dense_attention, positional_attention
 from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
-from rocketkv_mt.cold_select import candidate_pages, page_scores, pages_per_head
+from rocketkv_mt.cold_select import candidate_pages, page_bounds, pages_per_head
 from rocketkv_mt.reselect import choose, reselect, scores_by_position
 from rocketkv_mt.split_attention import attend_part, join_rows, merge, window_probs
 from tiers.base import batch_nbytes
@@ -92,7 +92,7 @@ class ReselectTiered(PrefillPolicy):
         # cold pages, which are read while the other rows attend; the pages read back are the second
         # part; one exact softmax over both.
         window = attend_part(q[:, n - w :], store.keys, store.values, scaling, w, own_tail=n, first_row=n - w)
-        read = partial(self._read_candidates, layer, q[:, -w:], window, total, scaling)
+        read = partial(self._read_candidates, layer, q[:, -w:], window, scaling)
         transfers = self.tiers.transfers
         reading = transfers.start(read) if transfers is not None else None
         device = window
@@ -146,34 +146,32 @@ class ReselectTiered(PrefillPolicy):
         from_cold = slots >= t
         if cand is not None and cand[0].shape[1]:
             keys, values = torch.cat([keys, cand[0]], dim=1), torch.cat([values, cand[1]], dim=1)
+            cold_slot = torch.gather(cand[4], 1, (slots - t).clamp(min=0))
+            cold.promote(torch.where(from_cold, cold_slot, -1))
+            cache.readmitted += int(from_cold.sum())
         idx = slots.unsqueeze(-1).expand(-1, -1, d)
         new_k, new_v = torch.gather(keys, 1, idx), torch.gather(values, 1, idx)
-        if cand is not None and cand[0].shape[1]:
-            cold_slot = torch.gather(cand[4], 1, (slots - t).clamp(min=0))
-            cold.promote(torch.where(from_cold, cold_slot, -1), new_k)
-            cache.readmitted += int(from_cold.sum())
         kept = torch.zeros(slots.shape[0], t + 1, dtype=torch.bool, device=slots.device)
         kept.scatter_(1, torch.where(from_cold, t, slots), True)
         cache.traffic.bytes_demoted += cold.demote(store.keys, store.values, store.positions, ~kept[:, :t])
         store.replace(new_k, new_v, positions)
         cache.selected(layer, store, scores)
 
-    def _read_candidates(self, layer: int, q_win: torch.Tensor, window, total: int, scaling: float):
+    def _read_candidates(self, layer: int, q_win: torch.Tensor, window, scaling: float):
         """The cold pages this turn scores, read from the tiers: keys, values (Hkv, M, d), positions,
         alive, flat cold slots (Hkv, M). ``exhaustive``: all pages with cold tokens; ``digest``: the
-        pages whose centroids score highest, a budgeted number per KV head. ``window``: the window
-        rows' attention part over the device keys (its normaliser scales the scores).
+        pages whose bounds rank highest, a budgeted number per KV head. ``window``: the window rows'
+        attention part over the device keys (its normaliser bounds the final one).
         Runs on the page reader's thread while the model thread attends with the other rows."""
         cache, policy = self.cache, self.tiers.policy
         cold, dev, split = self.cold[layer], cache.spec.device, cache.split
         if policy.reselect == "exhaustive":
             return cold.fetch(cold.live_pages(), dev, cache.traffic)
-        centroids, live, nbytes = cold.digests(dev)
+        kmin, kmax, live, nbytes = cold.digests(dev)
         cache.traffic.digest_bytes_read += nbytes
-        lse = window.lse.reshape(centroids.shape[0], -1)
-        scores = page_scores(q_win, centroids, lse, scaling)
+        bounds = page_bounds(q_win, kmin, kmax, window.lse.reshape(kmin.shape[0], -1), scaling)
         per_head = pages_per_head(policy.candidates, split.prompt_budget, policy.page_tokens)
-        return cold.fetch(candidate_pages(scores, live, per_head), dev, cache.traffic)
+        return cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic)
 
     # --- memory ------------------------------------------------------------------------------
     def nbytes(self) -> int:
