@@ -40,7 +40,7 @@ from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
 from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
 from app.engine.persistence import kv_keys, persist_session, restore_session
-from app.engine.sampling import SamplingParams, make_generator, sample
+from app.engine.sampling import SamplingParams, make_generator
 from app.engine.session import Session, TurnStats
 from app.model_loader import LoadedModel, load_model
 from app.settings import Settings
@@ -341,7 +341,7 @@ class Engine:
         session.token_ids.extend(new_ids)
         stats = TurnStats(prompt_tokens=len(session.token_ids), prefilled_tokens=0)
         detok = Detokenizer(self.tokenizer, params.stop)
-        generator = make_generator(params, self.runner.device)
+        sampler = (params, make_generator(params, self.runner.device))
         finish = "length"
         generated: list[int] = []
         try:
@@ -351,7 +351,7 @@ class Engine:
             prefill_ids = session.token_ids[cache.history_len :]
             stats.prefilled_tokens = len(prefill_ids)
             try:
-                logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new)
+                token = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, sampler)
             except ChunkUnavailable as exc:
                 # Part of the cold history is unreadable (spilled to Redis, which is down now): the token
                 # ids still hold all of it, so this same turn rebuilds the cache from them.
@@ -359,11 +359,10 @@ class Engine:
                 cache = await self._step(lambda: self._rebuild_cache(session))
                 self._admit(session, 0, max_new)  # the bound of a whole re-prefill, or a structured refusal
                 stats.prefilled_tokens = len(session.token_ids)
-                logits = await self.batcher.prefill(session.id, cache, session.token_ids, max_new)
+                token = await self.batcher.prefill(session.id, cache, session.token_ids, max_new, sampler)
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
             with self.batcher.decoding():
                 while True:
-                    token = sample(logits, params, generator)
                     generated.append(token)
                     session.token_ids.append(token)
                     if token in self.chat_format.eos_ids:
@@ -380,7 +379,7 @@ class Engine:
                     if session.cancel_requested:
                         finish = "cancelled"
                         break
-                    logits = await self.batcher.decode(session.id, cache, token)
+                    token = await self.batcher.decode(session.id, cache, token, sampler)
         except (GeneratorExit, asyncio.CancelledError):
             finish = "cancelled"
             raise

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rocketkv_mt.attention_ops import dense_attention
+from rocketkv_mt.cache.decode import DecodeTarget
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.config import BudgetSplit, RocketKVConfig
 from tiers.base import Traffic
@@ -117,6 +118,11 @@ class SessionCache(ABC):
         """Attention of one decode query (Hq, 1, d) over the layer's kept tokens (new one included)."""
         store = self.layers[layer]
         return dense_attention(q, store.keys, store.values, scaling)
+
+    def decode_target(self, layer: int) -> DecodeTarget | None:
+        """This layer's decode step as one session's part of a batched step (``rocketkv_mt.cache.decode``),
+        the same computation as ``decode_attention``; None when the step must run alone (``attend``)."""
+        return DecodeTarget(self.layers[layer])
 
     @abstractmethod
     def after_prefill(self, layer: int, q: torch.Tensor, scaling: float) -> None:

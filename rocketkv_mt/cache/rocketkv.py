@@ -8,6 +8,7 @@ import torch
 from rocketkv_mt import dispatch
 from rocketkv_mt.anchors import anchor_pages
 from rocketkv_mt.attention_ops import dense_attention
+from rocketkv_mt.cache.decode import DecodeTarget
 from rocketkv_mt.cache.snapkv import SnapKVCache
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.kt_cache import KTCache
@@ -69,6 +70,11 @@ class RocketKVCache(SnapKVCache):
             local_window=split.local_window, pinned=self.anchors[layer], backend=self.spec.kernels,
         )
         return out.reshape(q.shape)
+
+    def decode_target(self, layer: int) -> DecodeTarget | None:
+        store, split = self.sparse_store(layer), self.split
+        sparse = store.length + 1 > split.token_budget and layer >= split.dense_layers  # as in _hsa_step
+        return DecodeTarget(store, kt=self.kt[layer], split=split if sparse else None, pinned=self.anchors[layer])
 
     def device_bytes(self) -> int:
         return super().device_bytes() + sum(kt.nbytes() for kt in self.kt if kt is not None)

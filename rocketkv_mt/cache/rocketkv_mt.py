@@ -41,6 +41,11 @@ class RocketKVMTCache(RocketKVCache):
         self.selected[layer].append(full.keys[:, -1:], full.values[:, -1:], full.positions[:, -1:])
         return super()._hsa_step(layer, q, scaling)
 
+    def decode_target(self, layer: int):
+        target = super().decode_target(layer)
+        target.mirror = self.layers[layer]  # the whole history takes the token too, as in _hsa_step
+        return target
+
     def kept_tokens(self) -> int:
         return self.layers[0].length
 

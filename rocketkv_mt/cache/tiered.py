@@ -87,6 +87,10 @@ class TieredCache(RocketKVCache):
             self._settle(layer)
         return super()._attend(layer, q, k, v, scaling)
 
+    def decode_target(self, layer: int):
+        # The first decode step settles the turn's selection first (_attend): that step runs alone.
+        return None if self._pending[layer] is not None else super().decode_target(layer)
+
     def prefill_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         store, cold, split = self.layers[layer], self.cold[layer], self.split
         n = q.shape[1]
