@@ -137,11 +137,11 @@ def prefill_scratch_bytes(
     CUDA: flash attention and the Triton kernel keep only each row's log-sum-exp (and the merged
     parts of a tiered turn one fp32 output more). CPU: one block of PREFILL_ROWS rows' fp32 scores
     and their softmax, its boolean mask repeated per query head, and the block's output. Both add
-    Stage 1's ``window`` rows, scored in full (logits and exponentials, fp32). The output itself
-    (Hq, n, d) is the caller's and not counted.
+    Stage 1's ``window`` rows, scored in full (logits and exponentials, fp32, over an fp32 copy of
+    the keys). The output itself (Hq, n, d) is the caller's and not counted.
     """
     elem = torch.empty((), dtype=dtype).element_size()
-    window_rows = 2 * q_heads * window * n_keys * 4
+    window_rows = (2 * q_heads * window * n_keys + kv_heads * n_keys * head_dim) * 4 if window else 0
     if torch.device(device).type == "cuda":
         return q_heads * n_rows * (4 + head_dim * 4) + window_rows
     rows = min(n_rows, PREFILL_ROWS)

@@ -167,8 +167,9 @@ def test_scratch_bytes_on_cuda_hold_no_rows_by_keys_term():
     cpu = prefill_scratch_bytes(1024, 131_072, device="cpu", **args)
     assert cpu >= 2 * 32 * 1024 * 131_072 * 4  # the (Hq, rows, keys) scores and their softmax
     # Stage 1's window rows are the one part that grows with the keys on CUDA: w rows, not n.
-    windowed = prefill_scratch_bytes(1024, 131_072, device="cuda", window=32, **args)
-    assert windowed - cuda[1] == 2 * 32 * 32 * 131_072 * 4
+    windowed = [prefill_scratch_bytes(n, 131_072, device="cuda", window=32, **args) for n in (1024, 4096)]
+    assert windowed[0] - cuda[1] == (2 * 32 * 32 + 8 * 128) * 131_072 * 4
+    assert windowed[1] - windowed[0] == 32 * 3072 * (4 + 128 * 4)  # more rows: only their lse and output
 
 
 @pytest.mark.kernel
