@@ -137,6 +137,8 @@ def _page_scores(
         m = m_new
     l = tl.where(gm, l, 1.0)
     m = tl.where(gm, m, 0.0)
+    # The logits are read back below in another register layout: every thread's stores must land first.
+    tl.debug_barrier()
     scores = score_ptr + n * (PMAX + 1)
     for p0 in range(0, pages, BLOCK_P):
         pp = p0 + tl.arange(0, BLOCK_P)
@@ -145,6 +147,7 @@ def _page_scores(
         # Summing the group's softmaxes ranks pages exactly as averaging them does.
         total = tl.sum(tl.where(gm[:, None], tl.exp(logits - m[:, None]) / l[:, None], 0.0), axis=0)
         tl.store(scores + pp, tl.where(pp >= pages - n_local, float("inf"), total), mask=pm)
+    tl.debug_barrier()  # the pinned pages' +inf must overwrite their scores, not race them
     pinned = tl.load(row + F_PINNED).to(tl.pointer_type(tl.int64)) + h * n_pinned
     for a0 in range(0, n_pinned, BLOCK_A):
         aa = a0 + tl.arange(0, BLOCK_A)

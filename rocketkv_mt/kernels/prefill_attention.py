@@ -129,8 +129,9 @@ def attend_rows(
         alive_strides = alive.stride()
     else:
         alive, alive_strides = out, (0, 0)
-    # fp32 tiles are halved and use 3xTF32: IEEE fp32 dots of 64x64x128 tiles spill registers.
-    block_m, block_n = (32, 32) if keys.dtype == torch.float32 else (64, 64)
+    # Sized from sm_90 builds (ptxas): 16-bit tiles of 128 rows x 64 keys on 8 warps and 2 stages hold
+    # ~207 registers and 99 KB of shared memory, two programs per SM; fp32 (3xTF32) needs tiles of 32.
+    block_m, block_n, warps = (32, 32, 4) if keys.dtype == torch.float32 else (128, 64, 8)
     block_d = max(16, triton.next_power_of_2(d))
     grid = (hkv, triton.cdiv(g * n, block_m))
     _attend_rows[grid](
@@ -138,7 +139,7 @@ def attend_rows(
         g, n, t, d, 0 if positional else int(q_offset), scaling * _LOG2E,
         *q.stride(), *keys.stride(), *values.stride(), *kpos_strides, *alive_strides, *out.stride(),
         POSITIONAL=positional, HAS_ALIVE=alive is not out,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=2,
         **dot_options(keys.dtype, fp32_precision="tf32x3"),
     )
     return out, lse

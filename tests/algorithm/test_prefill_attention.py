@@ -110,6 +110,17 @@ def test_kernel_causal_offset_equals_the_masked_reference(hkv, g, n, length, d):
 
 @needs_kernels
 @pytest.mark.kernel
+def test_kernel_bf16_tiles_equal_the_fp32_reference():
+    q, keys, values = case(2, 4, 150, 400, 64, seed=10)
+    want = reference_dense(q, keys, values, 0.125)
+    qb, kb, vb = (x.to(DEVICE, torch.bfloat16) for x in (q, keys, values))
+    out, _ = K.attend_rows(qb, kb, vb, 0.125, q_offset=400 - 150)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float().cpu(), want, atol=3e-2, rtol=3e-2)
+
+
+@needs_kernels
+@pytest.mark.kernel
 @pytest.mark.parametrize("with_alive", [False, True])
 def test_kernel_positions_in_any_order_equal_the_masked_reference(with_alive):
     hkv, g, n, t, d, history = 2, 3, 21, 60, 16, 100
