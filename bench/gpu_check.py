@@ -10,9 +10,11 @@ of time loses nothing before it), then ``OUT/summary.json`` and a printed summar
    test_decode_batch.py (``-m kernel``);
 2. ``h2d``: host-to-device copy bandwidth from pinned memory (the host tier's pool) and, for
    comparison, from pageable memory;
-3. ``e2e``: ``bench e2e`` at the given contexts and batches, full against rocketkv and tiered, on a
+3. ``ops``: ``bench ops`` on this device: torch ops and kernel launches per decode step per layer at
+   1, 4 and 16 sessions, batched and per session;
+4. ``e2e``: ``bench e2e`` at the given contexts and batches, full against rocketkv and tiered, on a
    random-weight Llama-3.1-8B in bf16;
-4. ``tiered_redis``: a 3-turn conversation of a tiered session on the bundled model on this device,
+5. ``tiered_redis``: a 3-turn conversation of a tiered session on the bundled model on this device,
    persisted to Redis after every turn (a private ``redis-server`` on a free port when none answers
    at ``--redis-url``; skipped when neither is possible).
 
@@ -41,9 +43,11 @@ import torch
 from app.engine.engine import Engine
 from app.engine.sampling import SamplingParams
 from app.settings import Settings
+from bench import decode_ops
 from bench import e2e as bench_e2e
 from bench.common import fit_words, write_json
 from bench.haystack import filler_text
+from bench.random_model import parse_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/algorithm/test_kernels.py", "tests/algorithm/test_prefill_attention.py",
@@ -103,6 +107,13 @@ def h2d(args) -> dict:
         del dev
     torch.cuda.empty_cache()
     return out
+
+
+def ops(args) -> dict:
+    quick = args.quick or not torch.cuda.is_available()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return decode_ops.run(parse_shapes("tiny,num_hidden_layers=4"), device, ["auto"] if quick else ["auto", "torch"],
+                          [1, 4] if quick else [1, 4, 16], prompt=96, budget=32)
 
 
 def e2e(args) -> dict:
@@ -194,7 +205,7 @@ def tiered_redis(args) -> dict:
             engine.close()
 
 
-PARTS = {"kernel_tests": kernel_tests, "h2d": h2d, "e2e": e2e, "tiered_redis": tiered_redis}
+PARTS = {"kernel_tests": kernel_tests, "h2d": h2d, "ops": ops, "e2e": e2e, "tiered_redis": tiered_redis}
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -216,6 +227,12 @@ def _headline(name: str, result: dict) -> str:
         return f"{result['passed']}/{result['tests']} passed" + (f"; FAILED {result['failed']}" if result["failed"] else "")
     if name == "h2d":
         return ", ".join(f"{k} {v:.1f}" for k, v in result.items())
+    if name == "ops":
+        return "; ".join(
+            f"{kernels}: " + ", ".join(f"{r['sessions']}: {r['ops_per_layer']:.0f} ops {r['launches_per_layer']:.0f} launches"
+                                       for r in rows)
+            for kernels, rows in result["counts"].items()
+        ) + " per layer"
     if name == "e2e":
         return "; ".join(f"{mode} {', '.join(f'{k}: {v:.2f}x' for k, v in by.items())}" for mode, by in result["speedups"].items())
     ttft = ", ".join(f"{t['ttft_ms']:.0f}" for t in result["turns"])

@@ -16,8 +16,10 @@ def test_gpu_check_runs_its_cpu_parts_and_skips_the_cuda_ones(tmp_path, redis_ur
     assert gpu_check.main(["--out", str(tmp_path), "--quick", "--redis-url", redis_url]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     parts = summary["parts"]
-    assert set(parts) == {"kernel_tests", "h2d", "e2e", "tiered_redis"}
+    assert set(parts) == {"kernel_tests", "h2d", "ops", "e2e", "tiered_redis"}
     assert "no CUDA" in parts["kernel_tests"]["skipped"] and "no CUDA" in parts["h2d"]["skipped"]
+    counts = json.loads((tmp_path / "ops.json").read_text())["counts"]["auto"]
+    assert [r["sessions"] for r in counts] == [1, 4] and counts[0]["ops_per_layer"] == counts[1]["ops_per_layer"]
     e2e = json.loads((tmp_path / "e2e.json").read_text())
     assert {"rocketkv_over_full", "tiered_over_full"} <= set(e2e["speedups"])
     tiered = json.loads((tmp_path / "tiered_redis.json").read_text())
