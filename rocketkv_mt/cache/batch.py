@@ -77,7 +77,7 @@ class BatchCache:
             if len(self.caches) == 1:
                 return self._one(0, layer, q, k, v, scaling)
             return torch.cat([self._one(i, layer, q, k, v, scaling) for i in range(len(self.caches))], dim=1)
-        batched = self._run_batched(layer, kind, targets, q, k, v, scaling)  # (B, Hq, d)
+        batched, targets = self._run_batched(layer, kind, targets, q, k, v, scaling)  # (B, Hq, d)
         if len(targets) == len(self.caches):
             return batched.unsqueeze(0)
         out = q.new_zeros(1, t, hq, d)
@@ -104,8 +104,11 @@ class BatchCache:
                 targets.append((i, target))
         return targets
 
-    def _run_batched(self, layer: int, kind: str, targets: list[tuple[int, DecodeTarget]], q, k, v, scaling: float):
-        """The batched decode step of ``targets`` -> (B, Hq, d); rows whose cache fails are dropped."""
+    def _run_batched(
+        self, layer: int, kind: str, targets: list[tuple[int, DecodeTarget]], q, k, v, scaling: float
+    ) -> tuple[torch.Tensor, list[tuple[int, DecodeTarget]]]:
+        """The batched decode step of ``targets`` -> (out (B, Hq, d), the B targets it ran): a target
+        whose cache fails while its row is made is left out (and its segment isolated)."""
         rows, kept = [], []
         for i, target in targets:
             try:
@@ -113,9 +116,8 @@ class BatchCache:
                 kept.append((i, target))
             except Exception as exc:  # noqa: BLE001 - isolated and reported per segment
                 self.errors[i] = exc
-        targets[:] = kept
         if not kept:
-            return q.new_zeros(0, q.shape[1], q.shape[3])
+            return q.new_zeros(0, q.shape[1], q.shape[3]), kept
         hq, d = q.shape[1], q.shape[3]
         hkv = k.shape[1]
         tokens = [self.bounds[i][0] for i, _ in kept]
@@ -131,7 +133,7 @@ class BatchCache:
         )
         for _, target in kept:
             target.commit()
-        return out.view(len(kept), hq, d)
+        return out.view(len(kept), hq, d), kept
 
     def _device_table(self, layer: int, table: np.ndarray) -> torch.Tensor:
         """The layer's rows on the GPU, copied from pinned memory without stalling the stream: one

@@ -16,7 +16,9 @@ from kernel_helpers import load_kernels
 from rocketkv_mt import decode_table
 from rocketkv_mt.cache import CacheSpec, TierContext, make_cache
 from rocketkv_mt.cache.batch import BatchCache
+from rocketkv_mt.cache.decode import DecodeTarget
 from rocketkv_mt.config import RocketKVConfig
+from rocketkv_mt.kt_cache import KTCache
 from rocketkv_mt.native import hsa as native_hsa
 from tiers.host import HostTier
 
@@ -135,12 +137,22 @@ def test_a_failing_cache_fails_only_its_segment():
     def broken(layer):
         raise RuntimeError("no target")
 
+    def mismatched(layer):  # KT bounds of fewer tokens than the store: its row cannot be made
+        return DecodeTarget(caches[2].layers[layer], kt=KTCache(caches[2].layers[layer].keys[:, :-3], 4))
+
     caches[1].decode_target = broken
-    batch = BatchCache(caches, [1, 1, 1])
+    caches[2].decode_target = mismatched
+    caches.append(new_cache("full", "auto", 3, host))
+    prefill(caches[3], 20, seed=3)
+    caches[3].begin_forward(1, prefill=False)
+    lengths = [c.layers[0].length for c in caches]
+    batch = BatchCache(caches, [1, 1, 1, 1])
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.cat(x, dim=2) for x in zip(*[qkv(gen, 1) for _ in caches]))
     out = batch.attend(0, q, k, v, D**-0.5)
-    assert set(batch.errors) == {1} and torch.all(out[:, 1] == 0) and torch.all(out[:, [0, 2]] != 0)
+    assert set(batch.errors) == {1, 2}
+    assert torch.all(out[:, [1, 2]] == 0) and torch.all(out[:, [0, 3]] != 0)
+    assert [c.layers[0].length for c in caches] == [lengths[0] + 1, lengths[1], lengths[2], lengths[3] + 1]
 
 
 def test_the_c_kernel_reads_the_table_columns_of_decode_table():
