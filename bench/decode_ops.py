@@ -17,7 +17,7 @@ from app.engine.model_runner import ModelRunner, Segment
 from app.engine.sampling import SamplingParams, sample_batch
 from bench.common import write_json
 from bench.random_model import parse_shapes, random_model
-from rocketkv_mt.cache import TierContext, make_cache
+from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
 from tiers.host import HostTier
 
@@ -56,7 +56,8 @@ def measure(runner: ModelRunner, sessions: int, prompt: int, budget: int, seed: 
     host = HostTier(1 << 30)
     rocket = RocketKVConfig(token_budget=budget, window_size=8, kernel_size=5)
     caches = [
-        make_cache(MODES[i % len(MODES)], runner.spec, rocket, tiers=TierContext(host, f"ops-{sessions}-{i}", page_tokens=8))
+        make_cache(MODES[i % len(MODES)], runner.spec, rocket,
+                   tiers=TierContext(host, f"ops-{sessions}-{i}", TierPolicy(page_tokens=8)))
         for i in range(sessions)
     ]
     tokens = []

@@ -199,7 +199,7 @@ def decode_batch(
     """One layer's decode step of B sessions in one kernel call -> (B, Hkv, G, d).
 
     rows (B, ``decode_table.WIDTH``) int64: each session's buffers, token and attention
-    (``rocketkv_mt.cache.decode.DecodeTarget.row``); ``table``: the same rows on q's device (Triton
+    (``rocketkv_mt.cache.decode_target.DecodeTarget.row``); ``table``: the same rows on q's device (Triton
     reads them there). q (B, Hkv, G, d); k_new/v_new (B, Hkv, d). ``kind`` from ``decode_batch_kind``.
     The call shows in a torch profile as ``rkv::decode_batch``.
     """

@@ -27,28 +27,33 @@ ROWS = 1024
 class Part:
     out: torch.Tensor  # (Hq, n, d) fp32, normalised over this part's keys (0 where it has none)
     lse: torch.Tensor  # (Hq, n) fp32 log-sum-exp of this part's logits (-inf where it has none)
-    window_probs: torch.Tensor  # (Hkv, g, w, T) fp32 exp(logit - window_top) of the window rows (0 where hidden)
-    window_top: torch.Tensor  # (Hkv, g, w, 1) fp32 the shift of those rows
+    window_probs: torch.Tensor | None  # (Hkv, g, w, T) fp32 exp(logit - window_top) of the window rows (0 where hidden)
+    window_top: torch.Tensor | None  # (Hkv, g, w, 1) fp32 the shift of those rows (None: no window rows here)
 
 
 def attend_part(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, w: int,
-    own_tail: int = 0, visible: torch.Tensor | None = None, *, backend: str = "auto",
+    own_tail: int = 0, visible: torch.Tensor | None = None, first_row: int = 0, *, backend: str = "auto",
 ) -> Part:
     """Attention of q (Hq, n, d) over one part's keys/values (Hkv, T, d).
 
-    The last ``own_tail`` keys (== n when given) are the queries' own tokens: query i sees tail key
-    k only for k <= i. Every other key is in every query's past. Slots where ``visible`` (Hkv, T) is
-    False hold no token. Where the Triton kernels run (CUDA), the rows stream through
-    ``kernels.attend_rows`` (no (rows x keys) logits) and only the window rows are scored in full."""
+    The last ``own_tail`` keys are the turn's own tokens and q holds the turn's rows ``first_row``
+    .. ``first_row + n - 1`` (all of them by default, own_tail == n): row i sees tail key k only for
+    k <= i. Every other key is in every query's past. Slots where ``visible`` (Hkv, T) is False hold
+    no token. The last ``w`` rows of q are window rows (w = 0: none). Where the Triton kernels run
+    (CUDA), the rows stream through ``kernels.attend_rows`` (no (rows x keys) logits) and only the
+    window rows are scored in full."""
     hq, n, d = q.shape
     t = keys.shape[1]
     if dispatch.uses_triton(backend, q):
-        # Query i sits at position (T - own_tail) + i and key j at j: the tail is causal, the rest seen by all.
-        out, lse = dispatch.attend_rows(
-            q, keys, values, scaling, q_offset=t - own_tail if own_tail else t, alive=visible, out_dtype=torch.float32
-        )
-        logits = _logits(q, keys.float().transpose(1, 2), scaling, n - w, n, own_tail, visible)
+        # Row i sits at position (T - own_tail) + first_row + i and key j at j: the tail is causal, the
+        # rest seen by all.
+        offset = t - own_tail + first_row if own_tail else t
+        out, lse = dispatch.attend_rows(q, keys, values, scaling, q_offset=offset, alive=visible,
+                                        out_dtype=torch.float32)
+        if not w:
+            return Part(out, lse, None, None)
+        logits = _logits(q, keys.float().transpose(1, 2), scaling, n - w, n, own_tail, visible, first_row)
         top = _row_top(logits)
         return Part(out, lse, torch.exp(logits - top), top)
     kf, vf = keys.float().transpose(1, 2), values.float()
@@ -58,7 +63,7 @@ def attend_part(
     for start in range(0, n, ROWS):
         stop = min(n, start + ROWS)
         r = stop - start
-        logits = _logits(q, kf, scaling, start, stop, own_tail, visible)
+        logits = _logits(q, kf, scaling, start, stop, own_tail, visible, first_row)
         hkv, g = logits.shape[:2]
         top = _row_top(logits)
         probs = torch.exp(logits - top)
@@ -66,23 +71,33 @@ def attend_part(
         o = torch.matmul(probs.view(hkv, g * r, t), vf).view(hkv, g, r, d) / total.clamp_min(1e-30)
         out[:, start:stop] = o.reshape(hq, r, d)
         lse[:, start:stop] = (top + torch.log(total)).reshape(hq, r)
-        if stop > n - w:  # the window rows are the last w: keep their shifted exponentials
+        if w and stop > n - w:  # the window rows are the last w: keep their shifted exponentials
             first = max(start, n - w) - start
             rows = (probs[:, :, first:], top[:, :, first:])
             window = rows if window is None else tuple(torch.cat([a, b], dim=2) for a, b in zip(window, rows))
-    return Part(out, lse, *window)
+    return Part(out, lse, *(window or (None, None)))
+
+
+def join_rows(first: Part, then: Part) -> Part:
+    """One part from two computed over consecutive row ranges of the same keys (``then`` holds the
+    window rows)."""
+    return Part(torch.cat([first.out, then.out], dim=1), torch.cat([first.lse, then.lse], dim=1),
+                then.window_probs, then.window_top)
 
 
 def _logits(
-    q: torch.Tensor, kf: torch.Tensor, scaling: float, start: int, stop: int, own_tail: int, visible: torch.Tensor | None
+    q: torch.Tensor, kf: torch.Tensor, scaling: float, start: int, stop: int, own_tail: int,
+    visible: torch.Tensor | None, first_row: int = 0,
 ) -> torch.Tensor:
-    """fp32 logits (Hkv, g, rows, T) of query rows start..stop over kf (Hkv, d, T), hidden ones -inf."""
+    """fp32 logits (Hkv, g, rows, T) of q's rows start..stop (the turn's rows first_row + start ..)
+    over kf (Hkv, d, T), hidden ones -inf."""
     hq, n, d = q.shape
     hkv, _, t = kf.shape
     g, r = hq // hkv, stop - start
     logits = torch.matmul(q[:, start:stop].reshape(hkv, g * r, d).float(), kf).mul_(scaling).view(hkv, g, r, t)
     if own_tail:
-        causal = torch.arange(own_tail, device=q.device).view(1, -1) > torch.arange(start, stop, device=q.device).view(-1, 1)
+        rows = torch.arange(first_row + start, first_row + stop, device=q.device).view(-1, 1)
+        causal = torch.arange(own_tail, device=q.device).view(1, -1) > rows
         logits[..., t - own_tail :].masked_fill_(causal, float("-inf"))
     if visible is not None:
         logits.masked_fill_(~visible.view(hkv, 1, 1, t), float("-inf"))

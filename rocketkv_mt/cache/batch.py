@@ -28,7 +28,7 @@ import torch
 
 from rocketkv_mt import dispatch
 from rocketkv_mt.cache.base import SessionCache
-from rocketkv_mt.cache.decode import DecodeTarget
+from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.decode_table import WIDTH
 
 

@@ -236,7 +236,7 @@ def decode_batch(
 
     table (B, WIDTH) int64 on q's device and ``rows``, its host copy (the launch sizes come from it);
     q (B, Hkv, G, d); k_new/v_new (B, Hkv, d), any strides, in the caches' dtype. The table's pointers
-    are trusted (``rocketkv_mt.cache.decode`` builds them from live buffers with room for the token).
+    are trusted (``rocketkv_mt.cache.decode_target`` builds them from live buffers with room for the token).
     ``splits`` forces the token splits per (session, KV head) (None: enough to fill the GPU).
     """
     check_tensors(q, k_new, v_new, table)

@@ -1,5 +1,5 @@
 """The native CPU kernel: ``hsa_decode`` (the signature and result of ``rocketkv_mt.hsa.hsa_decode``) and
-``decode_batch`` (one layer's decode step of many sessions, ``rocketkv_mt.cache.decode``)."""
+``decode_batch`` (one layer's decode step of many sessions, ``rocketkv_mt.cache.decode_target``)."""
 from __future__ import annotations
 
 import math
@@ -73,7 +73,7 @@ def decode_batch(table: np.ndarray, q: torch.Tensor, k_new: torch.Tensor, v_new:
 
     table (B, ``decode_table.WIDTH``) int64 rows (see ``rocketkv_mt.decode_table``); q (B, Hkv, G, d),
     k_new/v_new (B, Hkv, d), float32 CPU. The rows' pointers are trusted: the caller built them from
-    live buffers with room for the token (``rocketkv_mt.cache.decode``).
+    live buffers with room for the token (``rocketkv_mt.cache.decode_target``).
     """
     bsz, hkv, g, d = q.shape
     if table.dtype != np.int64 or table.shape != (bsz, WIDTH) or not table.flags.c_contiguous:

@@ -14,9 +14,9 @@ import torch
 
 from kernel_helpers import load_kernels
 from rocketkv_mt import decode_table
-from rocketkv_mt.cache import CacheSpec, TierContext, make_cache
+from rocketkv_mt.cache import CacheSpec, TierContext, TierPolicy, make_cache
 from rocketkv_mt.cache.batch import BatchCache
-from rocketkv_mt.cache.decode import DecodeTarget
+from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.config import RocketKVConfig
 from rocketkv_mt.kt_cache import KTCache
 from rocketkv_mt.native import hsa as native_hsa
@@ -37,7 +37,7 @@ def new_cache(mode: str, kernels: str, i: int, host: HostTier, dtype=torch.float
     # every_page: topk covers every page, so the chosen set cannot hang on 16-bit rounding of the scores.
     rocket = RocketKVConfig(token_budget=16, window_size=4, kernel_size=3, anchor_tokens=4 if i == 2 else 0,
                             topk=1000 if every_page else None)
-    tiers = TierContext(host=host, session_id=f"s{i}-{kernels}", page_tokens=4)
+    tiers = TierContext(host=host, session_id=f"s{i}-{kernels}", policy=TierPolicy(page_tokens=4))
     return make_cache(mode, spec(kernels, dtype, device), rocket, tiers=tiers if mode == "tiered" else None)
 
 
@@ -57,9 +57,10 @@ def state(cache):
     """What a decode step changes: kept keys/values/positions per layer, KT bounds, history."""
     out = [cache.history_len]
     for layer in range(LAYERS):
-        for store in [cache.layers[layer], *([cache.selected[layer]] if hasattr(cache, "selected") else [])]:
+        selection = getattr(cache.prefill, "selection", None)
+        for store in [cache.layers[layer], *([selection[layer]] if selection is not None else [])]:
             out += [store.keys.clone(), store.values.clone(), store.positions.clone()]
-        kt = getattr(cache, "kt", [None] * LAYERS)[layer]
+        kt = getattr(cache.decode, "kt", [None] * LAYERS)[layer]
         if kt is not None:
             out += [kt.bounds.clone(), kt.length]
     return out
@@ -121,7 +122,7 @@ def test_batched_steps_equal_each_session_alone(kind, dtype, steps):
             c.end_forward()
         for i in ids:
             assert_same_state(state(batched[i]), state(alone[i]))
-    hsa_sessions = [c for c in batched if hasattr(c, "kt") and c.layers[0].length > c.split.token_budget]
+    hsa_sessions = [c for c in batched if hasattr(c.decode, "kt") and c.layers[0].length > c.split.token_budget]
     assert len(hsa_sessions) >= 3  # the batched steps really ran HSA, not only dense attention
 
 

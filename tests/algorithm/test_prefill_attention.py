@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kernel_helpers import kernel_device, load_kernels
 from rocketkv_mt import attention_ops
 from rocketkv_mt.attention_ops import causal_sdpa, dense_attention, positional_attention, prefill_scratch_bytes
-from rocketkv_mt.split_attention import attend_part, merge, window_probs
+from rocketkv_mt.split_attention import attend_part, join_rows, merge, window_probs
 
 K = load_kernels()
 DEVICE = kernel_device(K) if K is not None else "cpu"
@@ -169,6 +169,24 @@ def test_kernel_parts_merge_like_the_cpu_parts():
     torch.testing.assert_close(lse_d.cpu(), lse_c, atol=1e-5, rtol=0)
     for a, b in zip(cpu, dev):
         torch.testing.assert_close(window_probs(b, lse_d).cpu(), window_probs(a, lse_c), atol=1e-5, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.kernel
+def test_kernel_window_rows_first_then_the_rest_equal_the_cpu_one_pass():
+    """A tiered turn's device part in two calls (the window rows first, at their offset in the turn,
+    then the other rows with no window): on the kernel branch it equals the CPU branch in one pass."""
+    hkv, g, n, d, w = 2, 3, 20, 16, 6
+    q, k, v = case(hkv, g, n, 30 + n, d, seed=9)
+    whole = attend_part(q, k, v, 0.3, w, own_tail=n, backend="torch")
+    qd, kd, vd = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    window = attend_part(qd[:, n - w :], kd, vd, 0.3, w, own_tail=n, first_row=n - w, backend="triton")
+    rest = attend_part(qd[:, : n - w], kd, vd, 0.3, 0, own_tail=n, backend="triton")
+    assert rest.window_probs is None and rest.window_top is None
+    joined = join_rows(rest, window)
+    torch.testing.assert_close(joined.out.cpu(), whole.out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(joined.lse.cpu(), whole.lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(window_probs(joined, joined.lse).cpu(), window_probs(whole, whole.lse), atol=1e-5, rtol=0)
 
 
 def test_scratch_bytes_on_cuda_hold_no_rows_by_keys_term():

@@ -1,9 +1,9 @@
 """What one session's decode step of one layer reads and writes, for the batched decode.
 
-A cache in its decode phase describes its step as a ``DecodeTarget`` (``SessionCache.decode_target``):
-the store the new token joins and that is attended, an optional mirror store that also receives
-the token, the KT bounds that the new key tightens, and HSA's sizes (or none: dense attention over
-the store). ``BatchCache`` turns the targets of every decoding session into one table of rows
+A cache in its decode phase describes its step as a ``DecodeTarget`` (``SessionCache.decode_target``,
+built by its decode policy over the set its prefill policy chose): the store the new token joins
+and that is attended, an optional mirror store that also receives the token, the KT bounds that
+the new key tightens, and HSA's sizes (or none: dense attention over the store). ``BatchCache`` turns the targets of every decoding session into one table of rows
 (``rocketkv_mt.decode_table``) and runs the whole layer's step in one kernel call; the targets then
 count the token they received in place (``commit``).
 
@@ -28,8 +28,8 @@ class DecodeTarget:
     """One session's decode step of one layer.
 
     store: receives the token's key/value/position, then is attended (its kept tokens, the new one
-    included). mirror: also receives the token (``rocketkv-mt`` keeps the whole history beside the
-    selection HSA reads). kt: the store's page bounds, tightened with the new key. split: HSA's
+    included). mirror: also receives the token (the layer store, where the decode set is a per-turn
+    selection beside it). kt: the store's page bounds, tightened with the new key. split: HSA's
     sizes when the step reads a sparse set, None for dense attention over the store. pinned
     (Hkv, A) int64: pages HSA always reads (the turn's anchors).
     """
