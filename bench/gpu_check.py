@@ -174,13 +174,15 @@ async def _converse(engine: Engine, session_id: str, messages: list[str], max_to
     turns = []
     for text in messages:
         done = await engine.complete(session_id, text, SamplingParams(max_tokens=max_tokens))
-        m = done.memory
+        # As the service does after every turn: the KV goes to Redis, so any replica can restore it.
+        await engine.persist(session_id)
+        m, stored = done.memory, engine.memory(engine.get_session(session_id))
         turns.append({
             "finish_reason": done.finish_reason, "ttft_ms": done.ttft_ms, "latency_ms": done.latency_ms,
             "prefilled_tokens": done.usage.prefilled_tokens, "generated_tokens": done.usage.generated_tokens,
-            "device_bytes": m.device_bytes, "host_bytes": m.host_bytes, "redis_bytes": m.redis_bytes,
+            "device_bytes": m.device_bytes, "host_bytes": m.host_bytes, "redis_bytes": stored.redis_bytes,
             "readmitted_tokens": m.readmitted_tokens, "cold_bytes_read": m.cold_bytes_read,
-            "redis_bytes_written": m.redis_bytes_written,
+            "redis_bytes_written": stored.redis_bytes_written,
         })
     return turns
 
