@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-done
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lint test serve model model-qwen clean
+.PHONY: setup lint test serve model model-qwen gpu-check clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ test: lint
 
 serve: setup
 	$(VENV)/bin/rocketkv-mt serve --host 127.0.0.1 --port 8000
+
+# On a CUDA machine (README: GPU check): kernel tests compiled for CUDA, bench e2e at 32k and 128k,
+# pinned copy bandwidth, a tiered conversation with Redis; results in results/gpu/, a summary printed.
+gpu-check: setup
+	env -u TRITON_INTERPRET $(PY) -m bench.gpu_check --out results/gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache

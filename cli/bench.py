@@ -86,6 +86,36 @@ def add_bench_parser(sub) -> None:
 
     add_history_swap_parser(bench)
     add_fidelity_parser(bench)
+    add_gpu_parsers(bench)
+
+
+def add_gpu_parsers(bench) -> None:
+    p = bench.add_parser("ops", help="torch ops and kernel launches per decode step per layer, by number of sessions")
+    p.add_argument("--sessions", default="1,4,16", help="session counts, comma separated")
+    p.add_argument("--kernels", default="auto,torch", help="kernel settings to count (auto: batched; torch: per session)")
+    p.add_argument("--shapes", default="tiny,num_hidden_layers=4", help="random model shapes (bench/random_model.py)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--prompt", type=int, default=96, help="prompt tokens per session")
+    p.add_argument("--budget", type=int, default=32, help="RocketKV token budget (below the prompt: HSA decodes)")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run("bench.decode_ops"))
+
+    p = bench.add_parser("e2e", help="the whole model at long contexts (random weights): decode ms/token, second-turn TTFT, "
+                         "device bytes, full against rocketkv and tiered")
+    p.add_argument("--contexts", default="32k,128k", help="context lengths in tokens (k = 1024), comma separated")
+    p.add_argument("--batches", default="1,8", help="sessions decoding together, comma separated")
+    p.add_argument("--modes", default="full,rocketkv,tiered", help="bench modes (bench/e2e.py: full, full-batched, "
+                   "snapkv, rocketkv, rocketkv-mt, tiered)")
+    p.add_argument("--shapes", default="llama-3.1-8b", help="random model shapes (bench/random_model.py)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--budget", type=int, default=256, help="RocketKV token budget")
+    p.add_argument("--max-new", type=int, default=128, help="max new tokens, for the budget split")
+    p.add_argument("--steps", type=int, default=10, help="timed decode steps per mode and round")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of alternating modes")
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per mode before the first round")
+    p.add_argument("--second-turn", type=int, default=32, help="tokens of the second turn whose TTFT is measured")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run("bench.e2e"))
 
 
 def add_history_swap_parser(bench) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+import numpy as np
 import torch
 
 from . import hsa, stage1
@@ -43,6 +44,15 @@ def window_scores(q_win: torch.Tensor, keys: torch.Tensor, scaling: float, *, ba
     if uses_triton(backend, keys):
         return _kernels().window_scores(q_win, keys, scaling)
     return stage1.window_scores(q_win, keys, scaling)
+
+
+def attend_rows(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, **where
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill attention on the Triton kernel, with each row's log-sum-exp: ``kernels.attend_rows``
+    (q (Hq, n, d), keys/values (Hkv, T, d) -> out (Hq, n, d), lse (Hq, n)); CUDA tensors, or CPU ones
+    when the kernels are interpreted. Callers check ``uses_triton`` first."""
+    return _kernels().attend_rows(q, keys, values, scaling, **where)
 
 
 def page_scores(
@@ -143,14 +153,15 @@ def hsa_decode(
     """HSA's decode step over a layer's cache buffers, q (Hkv, G, d) -> (Hkv, G, d); the arguments are
     ``hsa.hsa_decode``'s.
 
-    Triton kernels where ``backend`` picks them (they take the kept keys and the KT bounds as min/max
-    views), the native C kernel where it is allowed and can take the tensors, else the torch path.
+    Triton kernels where ``backend`` picks them (they read the kept keys and the KT bounds as strided
+    min/max views, nothing copied), the native C kernel where it is allowed and can take the tensors,
+    else the torch path.
     """
     if uses_triton(backend, q):
         d = q.shape[-1]
         return hsa_attention(
             q, key_buf[:, :length], value_buf[:, :length],
-            bounds[:, d:].transpose(1, 2).contiguous(), bounds[:, :d].transpose(1, 2).contiguous(),
+            bounds[:, d:].transpose(1, 2), bounds[:, :d].transpose(1, 2),
             page_size, topr, topk, scaling, local_window=local_window, pinned=pinned, backend=backend,
         )
     args = (q, key_buf, value_buf, length, bounds, page_size, topr, topk, scaling, local_window, pinned)
@@ -160,3 +171,42 @@ def hsa_decode(
         if backend == "native":
             raise RuntimeError("the native HSA kernel needs float32 CPU tensors and a C compiler on this machine")
     return hsa.hsa_decode(*args)
+
+
+def decode_batch_kind(backend: str, q: torch.Tensor) -> str | None:
+    """Which kernel runs one layer's decode step of many sessions in one call (``decode_batch``) for
+    tensors like ``q``: "triton" (CUDA, or CPU when the kernels are interpreted and asked for),
+    "native" (float32 CPU with the C kernel built) or None (each session attends alone)."""
+    if backend == "torch":
+        return None
+    if uses_triton(backend, q):
+        return "triton"
+    if backend in ("auto", "native") and native_hsa.supports(q):
+        return "native"
+    return None
+
+
+def decode_batch(
+    rows: np.ndarray,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    scaling: float,
+    *,
+    kind: str,
+    table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One layer's decode step of B sessions in one kernel call -> (B, Hkv, G, d).
+
+    rows (B, ``decode_table.WIDTH``) int64: each session's buffers, token and attention
+    (``rocketkv_mt.cache.decode_target.DecodeTarget.row``); ``table``: the same rows on q's device (Triton
+    reads them there). q (B, Hkv, G, d); k_new/v_new (B, Hkv, d). ``kind`` from ``decode_batch_kind``.
+    The call shows in a torch profile as ``rkv::decode_batch``.
+    """
+    with torch.profiler.record_function("rkv::decode_batch"):
+        if kind == "native":
+            return native_hsa.decode_batch(rows, q, k_new, v_new, scaling)
+        if kind == "triton":
+            return _kernels().decode_batch(table if table is not None else torch.from_numpy(rows), rows, q, k_new,
+                                           v_new, scaling)
+    raise ValueError(f"no batched decode kernel {kind!r}")

@@ -67,6 +67,25 @@ class KTCache:
             torch.minimum(last[:, d:], key, out=last[:, d:])
         self.length += 1
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole bounds buffer (Hkv, 2d, capacity in pages); pages past ``pages`` are spare."""
+        return self._bounds
+
+    def next_slot(self) -> tuple[int, bool]:
+        """(page the next key lands in, whether it opens that page), with room made for a new page:
+        what a kernel that appends the key in place needs; ``appended`` then counts it."""
+        opens = self.length % self.page_size == 0
+        if opens and self.pages == self._bounds.shape[2]:
+            self._grow()
+        return (self.pages if opens else self.pages - 1), opens
+
+    def appended(self) -> None:
+        """Count one key that a kernel folded into the bounds in place (at ``next_slot``)."""
+        if self.length % self.page_size == 0:
+            self.pages += 1
+        self.length += 1
+
     def _grow(self) -> None:
         extra = max(64, self._bounds.shape[2] // 2)
         pad = self._bounds.new_zeros(self._bounds.shape[0], self._bounds.shape[1], extra)

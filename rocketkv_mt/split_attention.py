@@ -4,8 +4,9 @@ A tiered turn attends over the keys on the device first and over the cold pages 
 second; which pages to read depends on the first part's normaliser. Each part is computed on its
 own (fp32 softmax, the turn's own tokens causal) and the parts are merged exactly:
 out = Σ_p out_p · exp(lse_p − lse), lse = logsumexp_p lse_p. The last ``w`` query rows are Stage 1's
-observation window; their logits are kept, so the window scores of every slot come out of the same
-pass instead of a second one (kept as exponentials, so scoring them is one product, not a new exp).
+observation window; their logits are kept (as exponentials, so scoring them is one product, not a
+new exp), so the window scores of every slot come out of the same pass on the CPU; on CUDA the rows
+stream through a flash-style kernel and only the window rows are scored in full, beside it.
 
 Shapes: Hq query heads, Hkv KV heads, g = Hq / Hkv, n queries (the turn's tokens), T keys of a part,
 w window rows, d head dim. Query head h*g + j reads KV head h.
@@ -15,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from rocketkv_mt import dispatch
 
 # Query rows per pass: bounds the (rows x keys) fp32 logits of a long turn.
 ROWS = 1024
@@ -30,34 +33,39 @@ class Part:
 
 def attend_part(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, w: int,
-    own_tail: int = 0, visible: torch.Tensor | None = None, first_row: int = 0,
+    own_tail: int = 0, visible: torch.Tensor | None = None, first_row: int = 0, *, backend: str = "auto",
 ) -> Part:
     """Attention of q (Hq, n, d) over one part's keys/values (Hkv, T, d).
 
     The last ``own_tail`` keys are the turn's own tokens and q holds the turn's rows ``first_row``
     .. ``first_row + n - 1`` (all of them by default, own_tail == n): row i sees tail key k only for
     k <= i. Every other key is in every query's past. Slots where ``visible`` (Hkv, T) is False hold
-    no token. The last ``w`` rows of q are window rows (w = 0: none)."""
+    no token. The last ``w`` rows of q are window rows (w = 0: none). Where the Triton kernels run
+    (CUDA), the rows stream through ``kernels.attend_rows`` (no (rows x keys) logits) and only the
+    window rows are scored in full."""
     hq, n, d = q.shape
-    hkv, t, _ = keys.shape
-    g = hq // hkv
+    t = keys.shape[1]
+    if dispatch.uses_triton(backend, q):
+        # Row i sits at position (T - own_tail) + first_row + i and key j at j: the tail is causal, the
+        # rest seen by all.
+        offset = t - own_tail + first_row if own_tail else t
+        out, lse = dispatch.attend_rows(q, keys, values, scaling, q_offset=offset, alive=visible,
+                                        out_dtype=torch.float32)
+        if not w:
+            return Part(out, lse, None, None)
+        logits = _logits(q, keys.float().transpose(1, 2), scaling, n - w, n, own_tail, visible, first_row)
+        top = _row_top(logits)
+        return Part(out, lse, torch.exp(logits - top), top)
     kf, vf = keys.float().transpose(1, 2), values.float()
     out = torch.empty(hq, n, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(hq, n, dtype=torch.float32, device=q.device)
     window = None
-    hidden_cols = None if visible is None else ~visible.view(hkv, 1, 1, t)
     for start in range(0, n, ROWS):
         stop = min(n, start + ROWS)
         r = stop - start
-        logits = torch.matmul(q[:, start:stop].reshape(hkv, g * r, d).float(), kf).mul_(scaling).view(hkv, g, r, t)
-        if own_tail:
-            rows = torch.arange(first_row + start, first_row + stop, device=q.device).view(-1, 1)
-            causal = torch.arange(own_tail, device=q.device).view(1, -1) > rows
-            logits[..., t - own_tail :].masked_fill_(causal, float("-inf"))
-        if hidden_cols is not None:
-            logits.masked_fill_(hidden_cols, float("-inf"))
-        top = logits.amax(dim=-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        logits = _logits(q, kf, scaling, start, stop, own_tail, visible, first_row)
+        hkv, g = logits.shape[:2]
+        top = _row_top(logits)
         probs = torch.exp(logits - top)
         total = probs.sum(dim=-1, keepdim=True)
         o = torch.matmul(probs.view(hkv, g * r, t), vf).view(hkv, g, r, d) / total.clamp_min(1e-30)
@@ -75,6 +83,31 @@ def join_rows(first: Part, then: Part) -> Part:
     window rows)."""
     return Part(torch.cat([first.out, then.out], dim=1), torch.cat([first.lse, then.lse], dim=1),
                 then.window_probs, then.window_top)
+
+
+def _logits(
+    q: torch.Tensor, kf: torch.Tensor, scaling: float, start: int, stop: int, own_tail: int,
+    visible: torch.Tensor | None, first_row: int = 0,
+) -> torch.Tensor:
+    """fp32 logits (Hkv, g, rows, T) of q's rows start..stop (the turn's rows first_row + start ..)
+    over kf (Hkv, d, T), hidden ones -inf."""
+    hq, n, d = q.shape
+    hkv, _, t = kf.shape
+    g, r = hq // hkv, stop - start
+    logits = torch.matmul(q[:, start:stop].reshape(hkv, g * r, d).float(), kf).mul_(scaling).view(hkv, g, r, t)
+    if own_tail:
+        rows = torch.arange(first_row + start, first_row + stop, device=q.device).view(-1, 1)
+        causal = torch.arange(own_tail, device=q.device).view(1, -1) > rows
+        logits[..., t - own_tail :].masked_fill_(causal, float("-inf"))
+    if visible is not None:
+        logits.masked_fill_(~visible.view(hkv, 1, 1, t), float("-inf"))
+    return logits
+
+
+def _row_top(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's max logit (..., 1), 0 for a row that sees nothing (so exp(-inf - 0) is 0, not NaN)."""
+    top = logits.amax(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(top), top, torch.zeros_like(top))
 
 
 def merge(parts: list[Part], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

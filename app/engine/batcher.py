@@ -15,8 +15,10 @@ Before a step, the thread waits briefly (a fraction of the last step's time) unt
 in its decode phase has asked for its next token, so that they stay in one batch rather than
 drifting into two; a session whose consumer is slow only costs that short wait.
 
-Each request gets its own result: its row of logits, or its own exception. A cache that fails
-fails only its own request; a failure of the model itself fails every request of that step.
+Each request gets its own result: its next token, drawn on the model thread from its row of the
+step's logits (all rows at once, one device-to-host transfer per step), or its own exception. A
+cache that fails fails only its own request; a failure of the model itself fails every request of
+that step.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from app.engine.model_runner import ModelRunner, Segment
+from app.engine.sampling import Sampler, sample_batch
 from rocketkv_mt.cache import SessionCache
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ class EngineClosed(RuntimeError):
 class _Request:
     key: str  # the session id, for accounting
     segment: Segment
+    sampler: Sampler  # how its next token is drawn
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -117,13 +121,14 @@ class Batcher:
         """Run ``fn`` on the model thread and return its result."""
         return await _wait(self.submit(fn))
 
-    async def prefill(self, key: str, cache: SessionCache, ids: list[int], max_new: int) -> torch.Tensor:
-        """Feed a turn's new tokens; returns the logits (V,) of the last one."""
-        return await self._request(_Request(key, Segment(cache, list(ids), prefill=True, max_new=max_new)), True)
+    async def prefill(self, key: str, cache: SessionCache, ids: list[int], max_new: int, sampler: Sampler) -> int:
+        """Feed a turn's new tokens; returns the token drawn after the last one."""
+        segment = Segment(cache, list(ids), prefill=True, max_new=max_new)
+        return await self._request(_Request(key, segment, sampler), True)
 
-    async def decode(self, key: str, cache: SessionCache, token: int) -> torch.Tensor:
-        """Feed one generated token; returns the next logits (V,)."""
-        return await self._request(_Request(key, Segment(cache, [token])), False)
+    async def decode(self, key: str, cache: SessionCache, token: int, sampler: Sampler) -> int:
+        """Feed one generated token; returns the next one."""
+        return await self._request(_Request(key, Segment(cache, [token]), sampler), False)
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
@@ -137,7 +142,7 @@ class Batcher:
                 self._decoding -= 1
                 self._cond.notify()
 
-    async def _request(self, req: _Request, prefill: bool) -> torch.Tensor:
+    async def _request(self, req: _Request, prefill: bool) -> int:
         with self._cond:
             if self._closed:
                 raise EngineClosed("the engine is closed")
@@ -215,6 +220,9 @@ class Batcher:
         segments = [r.segment for r in batch]
         try:
             logits, errors = self.runner.step(segments)
+            ok = [i for i in range(len(batch)) if i not in errors]
+            rows = logits if len(ok) == len(batch) else logits[ok]
+            tokens = dict(zip(ok, sample_batch(rows, [batch[i].sampler for i in ok]) if ok else []))
         except BaseException as exc:  # noqa: BLE001 - the model failed: every segment of the step did
             log.exception("a batched step of %d segments failed", len(batch))
             self.stats.failed_steps += 1
@@ -227,7 +235,7 @@ class Batcher:
                 self.stats.failed_segments += 1
                 r.future.set_exception(errors[i])
             else:
-                r.future.set_result(logits[i])
+                r.future.set_result(tokens[i])
         self._account(batch, t0)
 
     def _account(self, batch: list[_Request], t0: float) -> None:

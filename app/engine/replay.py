@@ -15,8 +15,14 @@ of another process keeps none) falls back to one prefill of the history.
 from __future__ import annotations
 
 from app.engine.batcher import Batcher
+from app.engine.sampling import Sampler, SamplingParams
 from app.engine.session import Feed
 from rocketkv_mt.cache import SessionCache
+
+
+# The steps feed tokens already chosen: what the batcher draws after each is discarded, so the
+# cheapest draw (greedy, no generator whose state would move) does.
+TEACHER_FORCED: Sampler = (SamplingParams(), None)
 
 
 def replayable(feeds: list[Feed], fed: int) -> bool:
@@ -28,9 +34,9 @@ async def replay(batcher: Batcher, key: str, cache: SessionCache, token_ids: lis
     """Feed an empty ``cache`` the first tokens of ``token_ids`` as ``feeds`` say they were fed."""
     pos = 0
     for feed in feeds:
-        await batcher.prefill(key, cache, token_ids[pos : pos + feed.prefill], feed.max_new)
+        await batcher.prefill(key, cache, token_ids[pos : pos + feed.prefill], feed.max_new, TEACHER_FORCED)
         pos += feed.prefill
         for token in token_ids[pos : pos + feed.decodes]:
-            await batcher.decode(key, cache, token)
+            await batcher.decode(key, cache, token, TEACHER_FORCED)
         pos += feed.decodes
         cache.end_turn()

@@ -1,4 +1,4 @@
-"""Per-request sampling settings and the token sampler."""
+"""Per-request sampling settings and the token sampler (a whole batched step's rows at once, on the model thread)."""
 from __future__ import annotations
 
 import torch
@@ -40,10 +40,29 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """Pick the next token from logits (V,)."""
-    if params.greedy:
-        return int(torch.argmax(logits))
+Sampler = tuple[SamplingParams, "torch.Generator | None"]  # what one request's next token is drawn with
+
+
+def sample_batch(logits: torch.Tensor, samplers: list[Sampler]) -> list[int]:
+    """One token per row of logits (S, V), row i drawn with ``samplers[i]``, with one device-to-host
+    transfer for the whole batch (``tolist`` at the end; nothing before it waits for the device).
+
+    Greedy rows take one argmax together; a sampled row draws from its own generator, exactly as it
+    would alone, so a seeded session's tokens do not depend on who shares its steps."""
+    greedy = [i for i, (params, _) in enumerate(samplers) if params.greedy]
+    if len(greedy) == len(samplers):
+        return torch.argmax(logits, dim=-1).tolist()
+    picks = torch.empty(len(samplers), dtype=torch.long, device=logits.device)
+    if greedy:
+        picks[greedy] = torch.argmax(logits[greedy], dim=-1)
+    for i, (params, generator) in enumerate(samplers):
+        if not params.greedy:
+            picks[i] = _draw(logits[i], params, generator)
+    return picks.tolist()
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """A token from logits (V,) at the params' temperature and top-p, as a one-element tensor."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
@@ -51,5 +70,5 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < params.top_p
         sorted_probs = torch.where(keep, sorted_probs, 0.0)
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+        return order[choice]
+    return torch.multinomial(probs, 1, generator=generator)

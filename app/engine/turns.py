@@ -25,8 +25,8 @@ from app.engine.errors import (
 from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
 from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
-from app.engine.sampling import SamplingParams, make_generator, sample
 from app.engine.replay import replay, replayable
+from app.engine.sampling import SamplingParams, make_generator
 from app.engine.session import Feed, Session, TurnStats
 from app.settings import Settings
 from rocketkv_mt.cache import SessionCache
@@ -112,7 +112,7 @@ class TurnLoop:
         session.token_ids.extend(new_ids)
         stats = TurnStats(prompt_tokens=len(session.token_ids), prefilled_tokens=0)
         detok = Detokenizer(self.tokenizer, params.stop)
-        generator = make_generator(params, self.runner.device)
+        sampler = (params, make_generator(params, self.runner.device))  # drawn on the model thread
         finish = "length"
         generated: list[int] = []
         try:
@@ -125,7 +125,7 @@ class TurnLoop:
             prefill_ids = session.token_ids[fed:]
             stats.prefilled_tokens = len(prefill_ids)
             try:
-                logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new)
+                token = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, sampler)
             except ChunkUnavailable as exc:
                 # Part of the cold history is unreadable (spilled to Redis, which is down now): the token
                 # ids still hold all of it, so this same turn rebuilds the cache from them, exactly
@@ -139,12 +139,11 @@ class TurnLoop:
                 session.feeds = list(feeds)
                 prefill_ids = session.token_ids[cache.history_len :]
                 stats.prefilled_tokens = len(session.token_ids)
-                logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new)
+                token = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, sampler)
             session.feeds.append(Feed(len(prefill_ids), max_new))
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
             with self.batcher.decoding():
                 while True:
-                    token = sample(logits, params, generator)
                     generated.append(token)
                     session.token_ids.append(token)
                     if token in self.chat_format.eos_ids:
@@ -161,7 +160,7 @@ class TurnLoop:
                     if session.cancel_requested:
                         finish = "cancelled"
                         break
-                    logits = await self.batcher.decode(session.id, cache, token)
+                    token = await self.batcher.decode(session.id, cache, token, sampler)
                     session.feeds[-1].decodes += 1
         except (GeneratorExit, asyncio.CancelledError):
             finish = "cancelled"

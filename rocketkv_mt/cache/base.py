@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.config import BudgetSplit, RocketKVConfig
 from tiers.base import Traffic
@@ -56,6 +57,7 @@ class SessionCache(Protocol):
     layers: list[LayerKV]  # the tokens each layer holds on the device
     history_len: int  # tokens fed so far == position of the next token
     split: BudgetSplit | None  # the current turn's sizes
+    step: ForwardStep | None  # the forward in progress, between ``begin_forward`` and ``end_forward``
     timer: AttentionTimer
     traffic: Traffic  # bytes this cache moved between tiers in its last turn
 
@@ -69,6 +71,11 @@ class SessionCache(Protocol):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """q (1, Hq, n, d), k/v (1, Hkv, n, d) for the new tokens -> attention output (1, n, Hq, d)."""
+        ...
+
+    def decode_target(self, layer: int) -> DecodeTarget | None:
+        """This layer's decode step as one session's part of a batched step (``rocketkv_mt.cache.decode_target``),
+        the same computation as ``attend`` would do; None when the step must run alone (``attend``)."""
         ...
 
     def end_turn(self) -> None:

@@ -7,6 +7,7 @@ import time
 import torch
 
 from rocketkv_mt.cache.base import AttentionTimer, CacheSpec, ForwardStep
+from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.cache.mode import CacheMode
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext
@@ -101,6 +102,15 @@ class ComposedCache:
     def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """One decode query (Hq, 1, d) over the layer's decode set (the new token included)."""
         return self.decode.attend(layer, q, self.prefill.extend_decode_set(layer), self.split, scaling)
+
+    def decode_target(self, layer: int) -> DecodeTarget | None:
+        """``decode_attention``'s step as a row of a batched decode; the layer store takes the token
+        too where the decode set is another store (a per-turn selection)."""
+        store = self.prefill.decode_set(layer)
+        if store is None:
+            return None
+        full = self.layers[layer]
+        return self.decode.target(layer, store, self.split, None if store is full else full)
 
     def selected(self, layer: int, store: LayerKV, scores: torch.Tensor | None) -> None:
         self.decode.prepare(layer, store, scores, self.split)

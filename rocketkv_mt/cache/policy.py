@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from rocketkv_mt.cache.base import CacheSpec
+from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 from rocketkv_mt.config import BudgetSplit
@@ -76,6 +77,11 @@ class DecodePolicy(Protocol):
         """One decode query (Hq, 1, d) over ``store`` (its newest token is the one decoded) -> (Hq, 1, d)."""
         ...
 
+    def target(self, layer: int, store: LayerKV, split: BudgetSplit, mirror: LayerKV | None) -> DecodeTarget:
+        """The step ``attend`` would run, as one session's row of a batched decode: ``store`` does not
+        hold the token yet (the kernel appends it, to ``mirror`` too where there is one)."""
+        ...
+
     def nbytes(self) -> int:
         """Device bytes this policy holds besides the KV."""
         ...
@@ -102,6 +108,11 @@ class PrefillPolicy(Protocol):
     def extend_decode_set(self, layer: int) -> LayerKV:
         """At a decode step of ``layer``, whose store already holds the token being decoded: add that
         token to the set decode reads, where the set is not the store itself, and return the set."""
+        ...
+
+    def decode_set(self, layer: int) -> LayerKV | None:
+        """The set ``extend_decode_set`` would return, before the token being decoded joins it (nor
+        the layer store); None when the step has work ``before_step`` must do first, so it runs alone."""
         ...
 
     @staticmethod

@@ -33,6 +33,10 @@ class LayerKV:
     def positions(self) -> torch.Tensor:
         return self._pos[:, : self.length]
 
+    def reserve(self, total: int) -> None:
+        """Make the buffers hold ``total`` tokens (plus the slack) without moving them again."""
+        self._reserve(total)
+
     def _reserve(self, total: int) -> None:
         cap = self._k.shape[1]
         if total + self.SLACK <= cap:
@@ -50,6 +54,17 @@ class LayerKV:
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole key and value buffers (Hkv, capacity, d); capacity >= length + SLACK."""
         return self._k, self._v
+
+    @property
+    def position_buffer(self) -> torch.Tensor:
+        """The whole positions buffer (Hkv, capacity) int64."""
+        return self._pos
+
+    def appended(self, n: int = 1) -> None:
+        """Count ``n`` tokens that a kernel wrote in place after the kept ones (room made by ``reserve``)."""
+        if self.length + n > self._k.shape[1]:
+            raise ValueError(f"{n} tokens written past the {self._k.shape[1]}-token buffers")
+        self.length += n
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v: (Hkv, n, d); positions: (n,) shared by all heads, or (Hkv, n)."""

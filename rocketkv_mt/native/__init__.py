@@ -1,7 +1,8 @@
 """Native CPU kernels: plain C compiled on first use with the machine's C compiler, called through ctypes.
 
 On a CPU, HSA's decode step is about forty tiny torch ops whose dispatch costs several times their
-arithmetic; ``hsa_decode.c`` does the same computation in one call. The shared library is built for
+arithmetic; ``hsa_decode.c`` does the same computation in one call, and one layer's decode step of
+every decoding session (appends, KT, HSA or dense attention) in another. The shared library is built for
 this machine (``-march=native``) into the cache directory, under a name that hashes the source, the
 flags and the CPU, so a copy built on another machine is never loaded. Where no compiler is found
 the loader returns None and callers keep the torch path (``rocketkv_mt.hsa.hsa_decode``).
@@ -71,6 +72,9 @@ def library() -> ctypes.CDLL | None:
     fn = lib.rkv_hsa_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 13 + [ctypes.c_float]
+    fn = lib.rkv_decode_batch
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float]
     return lib
 
 

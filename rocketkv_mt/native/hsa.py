@@ -1,10 +1,13 @@
-"""``hsa_decode`` on the native CPU kernel: the signature and result of ``rocketkv_mt.hsa.hsa_decode``."""
+"""The native CPU kernel: ``hsa_decode`` (the signature and result of ``rocketkv_mt.hsa.hsa_decode``) and
+``decode_batch`` (one layer's decode step of many sessions, ``rocketkv_mt.cache.decode_target``)."""
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
+from rocketkv_mt.decode_table import WIDTH
 from rocketkv_mt.hsa import local_pages, pages_read
 from rocketkv_mt.native import library
 
@@ -62,4 +65,31 @@ def hsa_decode(
     )
     if rc != 0:
         raise MemoryError("native hsa_decode could not allocate its scratch memory")
+    return out
+
+
+def decode_batch(table: np.ndarray, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One layer's decode step for B sessions on the native kernel -> (B, Hkv, G, d).
+
+    table (B, ``decode_table.WIDTH``) int64 rows (see ``rocketkv_mt.decode_table``); q (B, Hkv, G, d),
+    k_new/v_new (B, Hkv, d), float32 CPU. The rows' pointers are trusted: the caller built them from
+    live buffers with room for the token (``rocketkv_mt.cache.decode_target``).
+    """
+    bsz, hkv, g, d = q.shape
+    if table.dtype != np.int64 or table.shape != (bsz, WIDTH) or not table.flags.c_contiguous:
+        raise ValueError(f"a decode table of {bsz} contiguous int64 rows of {WIDTH} is needed, not {table.shape}")
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k_new, v_new)):
+        raise ValueError("the native decode_batch takes float32 CPU tensors only")
+    if k_new.shape != (bsz, hkv, d) or v_new.shape != k_new.shape:
+        raise ValueError(f"new keys {tuple(k_new.shape)} / values {tuple(v_new.shape)} do not match q {tuple(q.shape)}")
+    q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
+    out = torch.empty_like(q)
+    rc = library().rkv_decode_batch(
+        table.ctypes.data, bsz, WIDTH, q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), out.data_ptr(),
+        hkv, g, d, scaling,
+    )
+    if rc == -2:
+        raise ValueError("the native kernel reads another decode table layout; rebuild it")
+    if rc != 0:
+        raise MemoryError("native decode_batch could not allocate its scratch memory")
     return out

@@ -2,6 +2,9 @@
  *
  * The same computation as rocketkv_mt.hsa.hsa_decode (the torch path), in one call instead of
  * about forty small torch ops: on a CPU those ops' dispatch costs several times the arithmetic.
+ * rkv_decode_batch does one layer's whole decode step for many sessions in one call: it appends
+ * each session's new token to its own buffers, tightens its KT page, and runs HSA or dense
+ * attention, as the session's row of the table says (rocketkv_mt/decode_table.py).
  *
  * Shapes (all float32 unless said): Hkv KV heads, G query heads per KV head, d head dim,
  * P pages of page_size kept tokens, C buffer capacity in tokens.
@@ -69,6 +72,148 @@ static void softmax_inplace(float *x, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
+typedef struct {
+    Ranked *chan;
+    float *logits, *scores, *att, *scale;
+    Ranked *heap;
+    int64_t *chosen, *tokens;
+    uint8_t *forced;
+} Scratch;
+
+static void scratch_free(Scratch *s) {
+    free(s->chan); free(s->logits); free(s->scores); free(s->heap); free(s->chosen);
+    free(s->att); free(s->tokens); free(s->scale); free(s->forced);
+}
+
+/* Room for pages P, k_pages chosen pages, max_tokens attended tokens and g * att_len scores. */
+static int scratch_alloc(Scratch *s, int64_t g, int64_t d, int64_t pages, int64_t k_pages, int64_t max_tokens,
+                         int64_t att_len) {
+    s->chan = malloc(sizeof(Ranked) * d);
+    s->logits = malloc(sizeof(float) * g * (pages + 1));
+    s->scores = malloc(sizeof(float) * (pages + 1));
+    s->heap = malloc(sizeof(Ranked) * (k_pages + 1));
+    s->chosen = malloc(sizeof(int64_t) * (k_pages + 1));
+    s->att = malloc(sizeof(float) * g * (att_len + 1));
+    s->tokens = malloc(sizeof(int64_t) * (max_tokens + 1));
+    s->scale = malloc(sizeof(float) * g);
+    s->forced = malloc((size_t)pages + 1);
+    if (!s->chan || !s->logits || !s->scores || !s->heap || !s->chosen || !s->att || !s->tokens || !s->scale ||
+        !s->forced) {
+        scratch_free(s);
+        return -1;
+    }
+    return 0;
+}
+
+/* HSA for the G queries of one KV head: qh (G, d), bh its bounds, kh/vh its rows, oh (G, d). */
+static void hsa_head(const Scratch *s, const float *qh, const float *bh, const float *kh, const float *vh,
+                     const int64_t *pinned_h, float *oh, int64_t g, int64_t d, int64_t length, int64_t pages,
+                     int64_t bounds_row_stride, int64_t page_size, int64_t r, int64_t k_pages, int64_t n_local,
+                     int64_t n_pinned, float scaling) {
+    Ranked *chan = s->chan, *heap = s->heap;
+    float *logits = s->logits, *scores = s->scores, *att = s->att, *scale = s->scale;
+    int64_t *chosen = s->chosen, *tokens = s->tokens;
+    uint8_t *forced = s->forced;
+
+    /* Top-r channels by the group's summed |q|. */
+    for (int64_t c = 0; c < d; ++c) {
+        float m = 0.0f;
+        for (int64_t j = 0; j < g; ++j) m += fabsf(qh[j * d + c]);
+        chan[c].score = m;
+        chan[c].index = c;
+    }
+    qsort(chan, (size_t)d, sizeof(Ranked), by_score_desc);
+
+    /* SparQ's scale per query head: sqrt(d * |q_hat|_1 / |q|_1). */
+    for (int64_t j = 0; j < g; ++j) {
+        float all = 0.0f, kept = 0.0f;
+        for (int64_t c = 0; c < d; ++c) all += fabsf(qh[j * d + c]);
+        for (int64_t i = 0; i < r; ++i) kept += fabsf(qh[j * d + chan[i].index]);
+        all = all > 1e-30f ? all : 1e-30f;
+        scale[j] = kept > 0.0f ? 1.0f / sqrtf((float)d * kept / all) : 0.0f;
+    }
+
+    /* Upper-bound logits: each kept channel reads the max row where the group's q is positive. */
+    memset(logits, 0, sizeof(float) * g * pages);
+    for (int64_t i = 0; i < r; ++i) {
+        int64_t c = chan[i].index;
+        float group = 0.0f;
+        for (int64_t j = 0; j < g; ++j) group += qh[j * d + c];
+        const float *row = bh + (group > 0.0f ? c : d + c) * bounds_row_stride;
+        for (int64_t j = 0; j < g; ++j) {
+            float w = qh[j * d + c] * scale[j];
+            float *lj = logits + j * pages;
+            for (int64_t p = 0; p < pages; ++p) lj[p] += w * row[p];
+        }
+    }
+    memset(scores, 0, sizeof(float) * pages);
+    for (int64_t j = 0; j < g; ++j) {
+        float *lj = logits + j * pages;
+        softmax_inplace(lj, pages);
+        for (int64_t p = 0; p < pages; ++p) scores[p] += lj[p];
+    }
+
+    /* Forced pages first, then the best-scored others up to k_pages. */
+    memset(forced, 0, (size_t)pages);
+    memset(forced + pages - n_local, 1, (size_t)n_local);
+    for (int64_t i = 0; i < n_pinned; ++i) forced[pinned_h[i]] = 1;
+    int64_t n_chosen = 0, heap_size = 0;
+    for (int64_t p = 0; p < pages; ++p)
+        if (forced[p]) chosen[n_chosen++] = p;
+    int64_t room = k_pages - n_chosen;
+    for (int64_t p = 0; p < pages && room > 0; ++p)
+        if (!forced[p]) heap_offer(heap, &heap_size, room, scores[p], p);
+    for (int64_t i = 0; i < heap_size; ++i) chosen[n_chosen++] = heap[i].index;
+
+    /* Exact attention over the chosen pages' tokens. */
+    int64_t n_tok = 0;
+    for (int64_t i = 0; i < n_chosen; ++i)
+        for (int64_t t = chosen[i] * page_size; t < (chosen[i] + 1) * page_size && t < length; ++t)
+            tokens[n_tok++] = t;
+    for (int64_t j = 0; j < g; ++j) {
+        const float *qj = qh + j * d;
+        float *aj = att + j * n_tok;
+        for (int64_t i = 0; i < n_tok; ++i) {
+            const float *k = kh + tokens[i] * d;
+            float sc = 0.0f;
+            for (int64_t c = 0; c < d; ++c) sc += qj[c] * k[c];
+            aj[i] = sc * scaling;
+        }
+        softmax_inplace(aj, n_tok);
+        float *oj = oh + j * d;
+        memset(oj, 0, sizeof(float) * d);
+        for (int64_t i = 0; i < n_tok; ++i) {
+            const float *v = vh + tokens[i] * d;
+            float w = aj[i];
+            for (int64_t c = 0; c < d; ++c) oj[c] += w * v[c];
+        }
+    }
+}
+
+/* Exact attention of the G queries of one KV head over its first `length` rows; att holds g * length. */
+static void dense_head(float *att, const float *qh, const float *kh, const float *vh, float *oh, int64_t g, int64_t d,
+                       int64_t length, float scaling) {
+    /* Keys outer, the group inner: each key row is read once for all G queries. */
+    for (int64_t t = 0; t < length; ++t) {
+        const float *k = kh + t * d;
+        for (int64_t j = 0; j < g; ++j) {
+            const float *qj = qh + j * d;
+            float sc = 0.0f;
+            for (int64_t c = 0; c < d; ++c) sc += qj[c] * k[c];
+            att[j * length + t] = sc * scaling;
+        }
+    }
+    for (int64_t j = 0; j < g; ++j) softmax_inplace(att + j * length, length);
+    memset(oh, 0, sizeof(float) * g * d);
+    for (int64_t t = 0; t < length; ++t) {
+        const float *v = vh + t * d;
+        for (int64_t j = 0; j < g; ++j) {
+            float w = att[j * length + t], *oj = oh + j * d;
+            for (int64_t c = 0; c < d; ++c) oj[c] += w * v[c];
+        }
+    }
+}
+
 int rkv_hsa_decode(
     const float *q, const float *key_buf, const float *value_buf, const float *bounds,
     const int64_t *pinned, float *out,
@@ -77,100 +222,118 @@ int rkv_hsa_decode(
     int64_t page_size, int64_t topr, int64_t k_pages, int64_t n_local, int64_t n_pinned, float scaling) {
     int64_t r = topr < d ? topr : d;
     int64_t max_tokens = k_pages * page_size;
-    Ranked *chan = malloc(sizeof(Ranked) * d);
-    float *logits = malloc(sizeof(float) * g * pages);
-    float *scores = malloc(sizeof(float) * pages);
-    Ranked *heap = malloc(sizeof(Ranked) * (k_pages + 1));
-    int64_t *chosen = malloc(sizeof(int64_t) * (k_pages + 1));
-    float *att = malloc(sizeof(float) * g * (max_tokens + 1));
-    int64_t *tokens = malloc(sizeof(int64_t) * (max_tokens + 1));
-    float *scale = malloc(sizeof(float) * g);
-    uint8_t *forced = malloc((size_t)pages);
-    int rc = 0;
-    if (!chan || !logits || !scores || !heap || !chosen || !att || !tokens || !scale || !forced) {
-        rc = -1;
-        goto done;
-    }
+    Scratch s;
+    if (scratch_alloc(&s, g, d, pages, k_pages, max_tokens, max_tokens) != 0) return -1;
+    for (int64_t h = 0; h < hkv; ++h)
+        hsa_head(&s, q + h * g * d, bounds + h * bounds_head_stride, key_buf + h * cap * d, value_buf + h * cap * d,
+                 pinned ? pinned + h * n_pinned : NULL, out + h * g * d, g, d, length, pages, bounds_row_stride,
+                 page_size, r, k_pages, n_local, n_pinned, scaling);
+    scratch_free(&s);
+    return 0;
+}
+
+/* The table's columns: the same order as FIELDS in rocketkv_mt/decode_table.py. */
+#define F_K 0
+#define F_V 1
+#define F_POS 2
+#define F_CAP 3
+#define F_ROW 4
+#define F_POSITION 5
+#define F_MK 6
+#define F_MV 7
+#define F_MPOS 8
+#define F_MCAP 9
+#define F_MROW 10
+#define F_BOUNDS 11
+#define F_BHEAD 12
+#define F_BROW 13
+#define F_BPAGE 14
+#define F_BNEW 15
+#define F_HSA 16
+#define F_PAGES 17
+#define F_PAGE_SIZE 18
+#define F_TOPR 19
+#define F_KPAGES 20
+#define F_NLOCAL 21
+#define F_PINNED 22
+#define F_NPINNED 23
+#define F_WIDTH 24
+
+#define PTR(type, v) ((type *)(intptr_t)(v))
+
+/* Write the token's key/value/position at row `row` of each head of one store. */
+static void append_token(const int64_t *t, int64_t k_col, const float *k_new, const float *v_new, int64_t hkv,
+                         int64_t d) {
+    float *kb = PTR(float, t[k_col]), *vb = PTR(float, t[k_col + 1]);
+    int64_t *pb = PTR(int64_t, t[k_col + 2]);
+    int64_t cap = t[k_col + 3], row = t[k_col + 4], position = t[F_POSITION];
     for (int64_t h = 0; h < hkv; ++h) {
-        const float *qh = q + h * g * d;
-        const float *bh = bounds + h * bounds_head_stride;
+        memcpy(kb + (h * cap + row) * d, k_new + h * d, sizeof(float) * d);
+        memcpy(vb + (h * cap + row) * d, v_new + h * d, sizeof(float) * d);
+        pb[h * cap + row] = position;
+    }
+}
 
-        /* Top-r channels by the group's summed |q|. */
-        for (int64_t c = 0; c < d; ++c) {
-            float m = 0.0f;
-            for (int64_t j = 0; j < g; ++j) m += fabsf(qh[j * d + c]);
-            chan[c].score = m;
-            chan[c].index = c;
+/* One layer's decode step for n sessions: table (n, fields) int64; q/out (n, Hkv, G, d);
+ * k_new/v_new (n, Hkv, d). Returns 0, -1 (no scratch memory) or -2 (a table of another layout). */
+int rkv_decode_batch(const int64_t *table, int64_t n, int64_t fields, const float *q, const float *k_new,
+                     const float *v_new, float *out, int64_t hkv, int64_t g, int64_t d, float scaling) {
+    if (fields != F_WIDTH) return -2;
+    int64_t max_pages = 1, max_k = 1, max_tokens = 1, max_att = 1;
+    for (int64_t b = 0; b < n; ++b) {
+        const int64_t *t = table + b * fields;
+        int64_t length = t[F_ROW] + 1;
+        if (t[F_HSA]) {
+            int64_t tokens = t[F_KPAGES] * t[F_PAGE_SIZE];
+            if (t[F_PAGES] > max_pages) max_pages = t[F_PAGES];
+            if (t[F_KPAGES] > max_k) max_k = t[F_KPAGES];
+            if (tokens > max_tokens) max_tokens = tokens;
+            if (tokens > max_att) max_att = tokens;
+        } else if (length > max_att) {
+            max_att = length;
         }
-        qsort(chan, (size_t)d, sizeof(Ranked), by_score_desc);
-
-        /* SparQ's scale per query head: sqrt(d * |q_hat|_1 / |q|_1). */
-        for (int64_t j = 0; j < g; ++j) {
-            float all = 0.0f, kept = 0.0f;
-            for (int64_t c = 0; c < d; ++c) all += fabsf(qh[j * d + c]);
-            for (int64_t i = 0; i < r; ++i) kept += fabsf(qh[j * d + chan[i].index]);
-            all = all > 1e-30f ? all : 1e-30f;
-            scale[j] = kept > 0.0f ? 1.0f / sqrtf((float)d * kept / all) : 0.0f;
-        }
-
-        /* Upper-bound logits: each kept channel reads the max row where the group's q is positive. */
-        memset(logits, 0, sizeof(float) * g * pages);
-        for (int64_t i = 0; i < r; ++i) {
-            int64_t c = chan[i].index;
-            float group = 0.0f;
-            for (int64_t j = 0; j < g; ++j) group += qh[j * d + c];
-            const float *row = bh + (group > 0.0f ? c : d + c) * bounds_row_stride;
-            for (int64_t j = 0; j < g; ++j) {
-                float w = qh[j * d + c] * scale[j];
-                float *lj = logits + j * pages;
-                for (int64_t p = 0; p < pages; ++p) lj[p] += w * row[p];
+    }
+    Scratch s;
+    if (scratch_alloc(&s, g, d, max_pages, max_k, max_tokens, max_att) != 0) return -1;
+    for (int64_t b = 0; b < n; ++b) {
+        const int64_t *t = table + b * fields;
+        const float *kn = k_new + b * hkv * d, *vn = v_new + b * hkv * d;
+        append_token(t, F_K, kn, vn, hkv, d);
+        if (t[F_MK]) append_token(t, F_MK, kn, vn, hkv, d);
+        if (t[F_BOUNDS]) {
+            float *bounds = PTR(float, t[F_BOUNDS]);
+            for (int64_t h = 0; h < hkv; ++h) {
+                float *hi = bounds + h * t[F_BHEAD] + t[F_BPAGE], *lo = hi + d * t[F_BROW];
+                const float *key = kn + h * d;
+                for (int64_t c = 0; c < d; ++c) {
+                    float *mx = hi + c * t[F_BROW], *mn = lo + c * t[F_BROW];
+                    if (t[F_BNEW]) {
+                        *mx = key[c];
+                        *mn = key[c];
+                    } else {
+                        *mx = key[c] > *mx ? key[c] : *mx;
+                        *mn = key[c] < *mn ? key[c] : *mn;
+                    }
+                }
             }
         }
-        memset(scores, 0, sizeof(float) * pages);
-        for (int64_t j = 0; j < g; ++j) {
-            float *lj = logits + j * pages;
-            softmax_inplace(lj, pages);
-            for (int64_t p = 0; p < pages; ++p) scores[p] += lj[p];
-        }
-
-        /* Forced pages first, then the best-scored others up to k_pages. */
-        memset(forced, 0, (size_t)pages);
-        memset(forced + pages - n_local, 1, (size_t)n_local);
-        for (int64_t i = 0; i < n_pinned; ++i) forced[pinned[h * n_pinned + i]] = 1;
-        int64_t n_chosen = 0, heap_size = 0;
-        for (int64_t p = 0; p < pages; ++p)
-            if (forced[p]) chosen[n_chosen++] = p;
-        int64_t room = k_pages - n_chosen;
-        for (int64_t p = 0; p < pages && room > 0; ++p)
-            if (!forced[p]) heap_offer(heap, &heap_size, room, scores[p], p);
-        for (int64_t i = 0; i < heap_size; ++i) chosen[n_chosen++] = heap[i].index;
-
-        /* Exact attention over the chosen pages' tokens. */
-        int64_t n_tok = 0;
-        for (int64_t i = 0; i < n_chosen; ++i)
-            for (int64_t t = chosen[i] * page_size; t < (chosen[i] + 1) * page_size && t < length; ++t)
-                tokens[n_tok++] = t;
-        const float *kh = key_buf + h * cap * d, *vh = value_buf + h * cap * d;
-        for (int64_t j = 0; j < g; ++j) {
-            const float *qj = qh + j * d;
-            float *aj = att + j * n_tok;
-            for (int64_t i = 0; i < n_tok; ++i) {
-                const float *k = kh + tokens[i] * d;
-                float s = 0.0f;
-                for (int64_t c = 0; c < d; ++c) s += qj[c] * k[c];
-                aj[i] = s * scaling;
-            }
-            softmax_inplace(aj, n_tok);
-            float *oj = out + (h * g + j) * d;
-            memset(oj, 0, sizeof(float) * d);
-            for (int64_t i = 0; i < n_tok; ++i) {
-                const float *v = vh + tokens[i] * d;
-                float w = aj[i];
-                for (int64_t c = 0; c < d; ++c) oj[c] += w * v[c];
+        const float *kb = PTR(const float, t[F_K]), *vb = PTR(const float, t[F_V]);
+        int64_t cap = t[F_CAP], length = t[F_ROW] + 1;
+        const float *qb = q + b * hkv * g * d;
+        float *ob = out + b * hkv * g * d;
+        for (int64_t h = 0; h < hkv; ++h) {
+            if (t[F_HSA]) {
+                int64_t r = t[F_TOPR] < d ? t[F_TOPR] : d;
+                const int64_t *pinned = t[F_NPINNED] ? PTR(const int64_t, t[F_PINNED]) + h * t[F_NPINNED] : NULL;
+                hsa_head(&s, qb + h * g * d, PTR(const float, t[F_BOUNDS]) + h * t[F_BHEAD], kb + h * cap * d,
+                         vb + h * cap * d, pinned, ob + h * g * d, g, d, length, t[F_PAGES], t[F_BROW],
+                         t[F_PAGE_SIZE], r, t[F_KPAGES], t[F_NLOCAL], t[F_NPINNED], scaling);
+            } else {
+                dense_head(s.att, qb + h * g * d, kb + h * cap * d, vb + h * cap * d, ob + h * g * d, g, d, length,
+                           scaling);
             }
         }
     }
-done:
-    free(chan); free(logits); free(scores); free(heap); free(chosen); free(att); free(tokens); free(scale); free(forced);
-    return rc;
+    scratch_free(&s);
+    return 0;
 }

@@ -1,40 +1,24 @@
 """Triton kernels against their torch references.
 
-On a CPU machine the kernels run under the Triton interpreter. Triton reads TRITON_INTERPRET when
-``@triton.jit`` decorates a function (i.e. when ``rocketkv_mt.kernels`` is imported), so it is set here
-before that import. On a GPU machine, ``TRITON_INTERPRET=0 pytest -k kernel`` runs the same checks on CUDA.
+On a CPU machine the kernels run under the Triton interpreter (``kernel_helpers.load_kernels`` sets
+TRITON_INTERPRET before the kernels are first imported); on a GPU machine they are compiled for CUDA
+(``make gpu-check`` runs this file there with TRITON_INTERPRET=0).
 """
-import os
+import math
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import importlib  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
+from kernel_helpers import kernel_device, load_kernels  # noqa: E402
 from rocketkv_mt import dispatch, hsa, stage1  # noqa: E402
 from rocketkv_mt.kt_cache import page_minmax  # noqa: E402
 
-
-def _load_kernels():
-    kernels = importlib.import_module("rocketkv_mt.kernels")
-    if kernels.INTERPRETED or torch.cuda.is_available() or os.environ["TRITON_INTERPRET"] != "1":
-        return kernels
-    # Another module imported the kernels before TRITON_INTERPRET was set: rebuild them interpreted.
-    for name in [m for m in sys.modules if m.startswith("rocketkv_mt.kernels")]:
-        del sys.modules[name]
-    return importlib.import_module("rocketkv_mt.kernels")
-
-
-K = _load_kernels()
-if not K.INTERPRETED and not torch.cuda.is_available():
+K = load_kernels()
+if K is None:
     pytest.skip("kernels built for a GPU but no CUDA here: run with TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cpu" if K.INTERPRETED else "cuda"
+DEVICE = kernel_device(K)
 
 pytestmark = pytest.mark.kernel
 
@@ -178,8 +162,8 @@ def test_kernel_dispatched_hsa_attention_matches_reference():
 
     torch.manual_seed(11)
     hkv, g, d, length, page = 2, 4, 64, 77, 3
-    q = torch.randn(hkv, g, d)
-    keys, values = torch.randn(hkv, length, d), torch.randn(hkv, length, d)
+    q = torch.randn(hkv, g, d, device=DEVICE)
+    keys, values = torch.randn(hkv, length, d, device=DEVICE), torch.randn(hkv, length, d, device=DEVICE)
     kmin, kmax = page_minmax(keys, page)
     ref = hsa_attention(q, keys, values, kmin, kmax, page, 16, 24, d ** -0.5)
     got = dispatch.hsa_attention(q, keys, values, kmin, kmax, page, 16, 24, d ** -0.5, backend="triton")
@@ -193,11 +177,11 @@ def test_kernel_dispatched_hsa_decode_reads_the_cache_buffers_like_the_torch_pat
 
     torch.manual_seed(12)
     hkv, g, d, length, page = 2, 4, 64, 80, 3
-    store = LayerKV(hkv, d, torch.float32, torch.device("cpu"))
+    store = LayerKV(hkv, d, torch.float32, torch.device(DEVICE))
     store.append(torch.randn(hkv, length, d), torch.randn(hkv, length, d), torch.arange(length))
     kt = KTCache(store.keys, page)
     kb, vb = store.buffers
-    q = torch.randn(hkv, g, d)
+    q = torch.randn(hkv, g, d, device=DEVICE)
     args = (q, kb, vb, length, kt.bounds, page, 16, 24, d ** -0.5)
     ref = hsa.hsa_decode(*args, 8)
     got = dispatch.hsa_decode(*args, local_window=8, backend="triton")

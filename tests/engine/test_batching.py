@@ -1,6 +1,6 @@
 """Continuous batching: sessions generating at the same time share model steps, and each still gets
 exactly what it would have got alone (greedy and seeded sampling), its own cancellation, and its
-own failures."""
+own failures; the batched decode kernel gives the per-session torch path's tokens."""
 import asyncio
 
 import pytest
@@ -68,7 +68,9 @@ async def converse(engine, specs, params, concurrent: bool, cancel=None):
 async def test_batched_decode_equals_each_session_alone(make_engine):
     params = [SamplingParams(max_tokens=14)] * len(SESSIONS)
     params[1] = SamplingParams(max_tokens=14, temperature=0.8, top_p=0.9, seed=7)  # its own generator
-    alone_engine = make_engine()
+    # Alone, each step runs per session on the torch path; batched, every layer's decode of all the
+    # sessions is one call of the native kernel (rocketkv_mt/cache/batch.py): the tokens must not differ.
+    alone_engine = make_engine(kernels="torch")
     alone, _ = await converse(alone_engine, SESSIONS, params, concurrent=False)
     assert alone_engine.batcher.stats.max_batch == 1
     engine = make_engine()
@@ -106,16 +108,20 @@ async def test_cancel_and_failure_stay_in_their_own_session(make_engine):
         return await run_turn(engine, sessions[i].id, texts[i], params[i], cancel_after=3 if i == 1 else None)
 
     cache = sessions[victim].cache
-    original = cache.decode_attention
 
-    def failing(layer, q, scaling):
-        if layer == 5:
-            calls["n"] += 1
-            if calls["n"] == 4:
-                raise RuntimeError("injected cache failure")
-        return original(layer, q, scaling)
+    def failing(method):
+        def call(layer, *args):
+            if layer == 5:
+                calls["n"] += 1
+                if calls["n"] == 4:
+                    raise RuntimeError("injected cache failure")
+            return method(layer, *args)
 
-    cache.decode_attention = failing
+        return call
+
+    # A batched decode step asks each cache for its part (decode_target); a step alone calls decode_attention.
+    cache.decode_target = failing(cache.decode_target)
+    cache.decode_attention = failing(cache.decode_attention)
     tasks = [asyncio.ensure_future(start(i)) for i in range(len(specs))]
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert isinstance(results[victim], RuntimeError)

@@ -5,6 +5,7 @@ import torch
 
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.base import CacheSpec
+from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.cache.policy import TurnSize
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.config import BudgetSplit
@@ -22,6 +23,9 @@ class DenseDecode:
     def attend(self, layer: int, q: torch.Tensor, store: LayerKV, split: BudgetSplit, scaling: float) -> torch.Tensor:
         """q (Hq, 1, d) -> (Hq, 1, d)."""
         return dense_attention(q, store.keys, store.values, scaling)
+
+    def target(self, layer: int, store: LayerKV, split: BudgetSplit, mirror: LayerKV | None) -> DecodeTarget:
+        return DecodeTarget(store, mirror)
 
     def nbytes(self) -> int:
         return 0

@@ -11,6 +11,7 @@ from rocketkv_mt import dispatch
 from rocketkv_mt.anchors import anchor_pages
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.base import CacheSpec
+from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.cache.policy import TurnSize
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.config import BudgetSplit
@@ -62,6 +63,12 @@ class HSADecode:
             local_window=split.local_window, pinned=self.anchors[layer], backend=self.spec.kernels,
         )
         return out.reshape(q.shape)
+
+    def target(self, layer: int, store: LayerKV, split: BudgetSplit, mirror: LayerKV | None) -> DecodeTarget:
+        # As in _step, once the token is in: dense while every kept token fits the budget.
+        sparse = store.length + 1 > split.token_budget and layer >= split.dense_layers
+        return DecodeTarget(store, mirror, kt=self.kt[layer], split=split if sparse else None,
+                            pinned=self.anchors[layer])
 
     def nbytes(self) -> int:
         return sum(kt.nbytes() for kt in self.kt if kt is not None)

@@ -34,6 +34,9 @@ class EvictOnce(PrefillPolicy):
     def extend_decode_set(self, layer: int) -> LayerKV:
         return self.cache.layers[layer]
 
+    def decode_set(self, layer: int) -> LayerKV | None:
+        return self.cache.layers[layer]
+
     @staticmethod
     def bound(turn: TurnSize, tiers: TierPolicy) -> int:
         """A layer holds its kept tokens plus the new ones only until its own prefill compresses it;

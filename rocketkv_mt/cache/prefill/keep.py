@@ -22,6 +22,9 @@ class KeepAll(PrefillPolicy):
     def extend_decode_set(self, layer: int) -> LayerKV:
         return self.cache.layers[layer]
 
+    def decode_set(self, layer: int) -> LayerKV | None:
+        return self.cache.layers[layer]
+
     @staticmethod
     def bound(turn: TurnSize, tiers: TierPolicy) -> int:
         return turn.token_bytes * turn.total

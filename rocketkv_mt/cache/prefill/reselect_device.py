@@ -41,6 +41,9 @@ class ReselectDevice(PrefillPolicy):
         self.selection[layer].append(full.keys[:, -1:], full.values[:, -1:], full.positions[:, -1:])
         return self.selection[layer]
 
+    def decode_set(self, layer: int) -> LayerKV | None:
+        return self.selection[layer]
+
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.selection)
 

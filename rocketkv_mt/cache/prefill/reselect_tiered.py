@@ -70,6 +70,10 @@ class ReselectTiered(PrefillPolicy):
     def extend_decode_set(self, layer: int) -> LayerKV:
         return self.cache.layers[layer]
 
+    def decode_set(self, layer: int) -> LayerKV | None:
+        # The layer's first decode step of a turn settles its selection first (before_step): it runs alone.
+        return None if self._pending[layer] is not None else self.cache.layers[layer]
+
     def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         cache, policy = self.cache, self.tiers.policy
         store, cold, split = cache.layers[layer], self.cold[layer], cache.split

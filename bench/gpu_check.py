@@ -1,0 +1,271 @@
+"""``make gpu-check``: one prepared run of everything that needs a GPU, under 8 minutes on one H200.
+
+    python -m bench.gpu_check [--out results/gpu] [--contexts 32k,128k] [--batches 1,8] [--redis-url URL]
+
+Parts, each written to ``OUT/<part>.json`` as soon as it ends (a later part failing or running out
+of time loses nothing before it), then ``OUT/summary.json`` and a printed summary:
+
+1. ``kernel_tests``: the Triton kernel tests compiled for CUDA (``TRITON_INTERPRET=0``, not the
+   interpreter), in a subprocess: tests/algorithm/test_kernels.py, test_prefill_attention.py,
+   test_decode_batch.py (``-m kernel``);
+2. ``h2d``: host-to-device copy bandwidth from pinned memory (the host tier's pool) and, for
+   comparison, from pageable memory;
+3. ``ops``: ``bench ops`` on this device: torch ops and kernel launches per decode step per layer at
+   1, 4 and 16 sessions, batched and per session;
+4. ``e2e``: ``bench e2e`` at the given contexts and batches, full against rocketkv and tiered, on a
+   random-weight Llama-3.1-8B in bf16;
+5. ``tiered_redis``: a 3-turn conversation of a tiered session on the bundled model on this device,
+   persisted to Redis after every turn (a private ``redis-server`` on a free port when none answers
+   at ``--redis-url``; skipped when neither is possible).
+
+Without CUDA the CUDA-only parts are recorded as skipped; ``--quick`` shrinks the rest to tiny
+shapes (the CPU test of this script runs that way).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import redis
+import torch
+
+from app.engine.engine import Engine
+from app.engine.sampling import SamplingParams
+from app.settings import Settings
+from bench import decode_ops
+from bench import e2e as bench_e2e
+from bench.common import fit_words, write_json
+from bench.haystack import filler_text
+from bench.random_model import parse_shapes
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_TESTS = ["tests/algorithm/test_kernels.py", "tests/algorithm/test_prefill_attention.py",
+                "tests/algorithm/test_decode_batch.py"]
+GIB = 1024**3
+
+
+def _args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(ROOT / "results" / "gpu"), help="folder of the JSON results")
+    p.add_argument("--contexts", default="32k,128k", help="bench e2e contexts")
+    p.add_argument("--batches", default="1,8", help="bench e2e batch sizes")
+    p.add_argument("--redis-url", default=os.environ.get("RKV_REDIS_URL") or "redis://127.0.0.1:6379/15",
+                   help="Redis of the tiered conversation (a private redis-server is started if it does not answer)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and short contexts (what a CPU can run)")
+    return p.parse_args(argv)
+
+
+def kernel_tests(args) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA: the kernel tests run interpreted in `make test` instead"}
+    report = Path(args.out) / "kernel_tests.xml"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "kernel", f"--junitxml={report}",
+           *KERNEL_TESTS]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    suite = ET.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+            "failed": failed, "returncode": proc.returncode, "tail": proc.stdout[-2000:]}
+
+
+def h2d(args) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA"}
+    out = {}
+    for nbytes in (64 << 20, 1 << 30):
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        for kind, pinned in (("pinned", True), ("pageable", False)):
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            host.fill_(1)
+            dev.copy_(host, non_blocking=pinned)  # warm-up
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(5):
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dev.copy_(host, non_blocking=pinned)
+                stop.record()
+                stop.synchronize()
+                times.append(start.elapsed_time(stop) / 1e3)
+            out[f"{kind}_{nbytes >> 20}MiB_GBps"] = nbytes / statistics.median(times) / 1e9
+            del host
+        del dev
+    torch.cuda.empty_cache()
+    return out
+
+
+def ops(args) -> dict:
+    quick = args.quick or not torch.cuda.is_available()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return decode_ops.run(parse_shapes("tiny,num_hidden_layers=4"), device, ["auto"] if quick else ["auto", "torch"],
+                          [1, 4] if quick else [1, 4, 16], prompt=96, budget=32)
+
+
+def e2e(args) -> dict:
+    quick = args.quick or not torch.cuda.is_available()
+    ns = argparse.Namespace(
+        contexts="256" if quick else args.contexts, batches="1,2" if quick else args.batches,
+        modes="full,rocketkv,tiered", shapes="tiny,num_hidden_layers=3" if quick else "llama-3.1-8b",
+        device=None, budget=32 if quick else 256, max_new=32 if quick else 128, steps=2 if quick else 10,
+        rounds=2, warmup=1 if quick else 2, second_turn=8 if quick else 32, json_out=None,
+    )
+    result = bench_e2e.Bench(ns).run()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except Exception:  # noqa: BLE001 - any failure means no Redis there
+        return False
+
+
+@contextlib.contextmanager
+def _redis(url: str):
+    """``url`` when a Redis answers there, else a private redis-server for the duration; None if neither."""
+    if _answers(url):
+        yield url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                 "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            private = f"redis://127.0.0.1:{port}/0"
+            deadline = time.monotonic() + 20
+            while not _answers(private):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the private redis-server did not start")
+                time.sleep(0.05)
+            yield private
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+
+async def _converse(engine: Engine, session_id: str, messages: list[str], max_tokens: int) -> list[dict]:
+    turns = []
+    for text in messages:
+        done = await engine.complete(session_id, text, SamplingParams(max_tokens=max_tokens))
+        # As the service does after every turn: the KV goes to Redis, so any replica can restore it.
+        await engine.persist(session_id)
+        m, stored = done.memory, engine.memory(engine.get_session(session_id))
+        turns.append({
+            "finish_reason": done.finish_reason, "ttft_ms": done.ttft_ms, "latency_ms": done.latency_ms,
+            "prefilled_tokens": done.usage.prefilled_tokens, "generated_tokens": done.usage.generated_tokens,
+            "device_bytes": m.device_bytes, "host_bytes": m.host_bytes, "redis_bytes": stored.redis_bytes,
+            "readmitted_tokens": m.readmitted_tokens, "cold_bytes_read": m.cold_bytes_read,
+            "redis_bytes_written": stored.redis_bytes_written,
+        })
+    return turns
+
+
+def tiered_redis(args) -> dict:
+    with _redis(args.redis_url) as url:
+        if url is None:
+            return {"skipped": f"no Redis at {args.redis_url} and no redis-server to start"}
+        settings = Settings(redis_url=url, redis_namespace=f"gpucheck{os.getpid()}", mode="tiered")
+        engine = Engine(settings)
+        try:
+            words = 400 if args.quick else 1500
+            first = fit_words(engine.tokenizer, filler_text(words, seed=3), words) + "\n\nWhat is this text about?"
+            messages = [first, "Name one thing the text says about the sky.", "Say that again in other words."]
+            session = engine.create_session(mode="tiered", budget=64)
+            turns = asyncio.run(_converse(engine, session.id, messages, 8 if args.quick else 24))
+            stored = engine.redis.session_bytes(session.id)
+            engine.delete_session(session.id)
+            return {"device": str(engine.runner.device), "redis": "shared" if url == args.redis_url else "private",
+                    "turns": turns, "redis_session_bytes_after_turn_3": stored}
+        finally:
+            engine.close()
+
+
+PARTS = {"kernel_tests": kernel_tests, "h2d": h2d, "ops": ops, "e2e": e2e, "tiered_redis": tiered_redis}
+
+
+def summary_lines(summary: dict) -> list[str]:
+    lines = []
+    for name, part in summary["parts"].items():
+        head = f"{name:13s} {part['wall_s']:7.1f} s  "
+        if "error" in part:
+            lines.append(head + f"ERROR {part['error']}")
+        elif "skipped" in part:
+            lines.append(head + f"skipped: {part['skipped']}")
+        else:
+            lines.append(head + part.get("headline", "ok"))
+    lines.append(f"total         {summary['wall_s']:7.1f} s")
+    return lines
+
+
+def _headline(name: str, result: dict) -> str:
+    if name == "kernel_tests":
+        return f"{result['passed']}/{result['tests']} passed" + (f"; FAILED {result['failed']}" if result["failed"] else "")
+    if name == "h2d":
+        return ", ".join(f"{k} {v:.1f}" for k, v in result.items())
+    if name == "ops":
+        return "; ".join(
+            f"{kernels}: " + ", ".join(f"{r['sessions']}: {r['ops_per_layer']:.0f} ops {r['launches_per_layer']:.0f} launches"
+                                       for r in rows)
+            for kernels, rows in result["counts"].items()
+        ) + " per layer"
+    if name == "e2e":
+        return "; ".join(f"{mode} {', '.join(f'{k}: {v:.2f}x' for k, v in by.items())}" for mode, by in result["speedups"].items())
+    ttft = ", ".join(f"{t['ttft_ms']:.0f}" for t in result["turns"])
+    return f"3 turns, TTFT {ttft} ms, Redis {result['redis_session_bytes_after_turn_3'] / 1e6:.2f} MB"
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    summary = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, "parts": {}}
+    for name, part in PARTS.items():
+        start = time.perf_counter()
+        try:
+            result = part(args)
+            write_json(result, str(out / f"{name}.json"), quiet=True)
+            entry = {"skipped": result["skipped"]} if "skipped" in result else {"headline": _headline(name, result)}
+        except Exception as exc:  # noqa: BLE001 - one part failing must not lose the others
+            entry = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        entry["wall_s"] = time.perf_counter() - start
+        summary["parts"][name] = entry
+        print(summary_lines({"parts": {name: entry}, "wall_s": time.perf_counter() - t0})[0], flush=True)
+    summary["wall_s"] = time.perf_counter() - t0
+    write_json(summary, str(out / "summary.json"), quiet=True)
+    print("\n".join(["", f"gpu-check summary ({out})", *summary_lines(summary)]))
+    failed = any("error" in p for p in summary["parts"].values())
+    kernel = summary["parts"]["kernel_tests"]
+    return 1 if failed or ("headline" in kernel and "FAILED" in kernel["headline"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

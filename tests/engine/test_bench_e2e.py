@@ -1,0 +1,37 @@
+"""``bench e2e`` on tiny shapes on the CPU: every mode prefills, decodes in batches and takes a
+second turn; the figures it reports are the caches' own."""
+import argparse
+import json
+
+from bench import e2e
+
+
+def args(tmp_path, **over):
+    base = dict(contexts="300", batches="1,3", modes="full,rocketkv,tiered", shapes="tiny,num_hidden_layers=3",
+                device="cpu", budget=32, max_new=32, steps=2, rounds=2, warmup=1, second_turn=8,
+                json_out=str(tmp_path / "e2e.json"))
+    return argparse.Namespace(**{**base, **over})
+
+
+def test_e2e_reports_every_mode_and_batch(tmp_path):
+    assert e2e.main(args(tmp_path)) == 0
+    result = json.loads((tmp_path / "e2e.json").read_text())
+    (res,) = result["results"]
+    assert res["context"] == 300 and result["shapes"]["num_hidden_layers"] == 3
+    for batch in ("1", "3"):
+        rows = res["decode"][batch]
+        assert set(rows) == {"full", "rocketkv", "tiered"}
+        for row in rows.values():
+            assert row["ms_per_step"] > 0 and row["steps_timed"] == 4  # 2 steps x 2 rounds
+        # Compressed modes hold less on the device than the whole context; copies hold as much as the original.
+        assert rows["rocketkv"]["device_bytes"] < rows["full"]["device_bytes"]
+        assert rows["tiered"]["device_bytes"] < rows["full"]["device_bytes"]
+    assert res["decode"]["3"]["full"]["device_bytes"] > 2.9 * res["decode"]["1"]["full"]["device_bytes"]
+    modes = res["modes"]
+    assert modes["tiered"]["host_bytes"] > 0 and modes["full"]["host_bytes"] == 0
+    assert all(m["ttft_second_turn_ms"] > 0 and m["prefill_s"] > 0 for m in modes.values())
+    assert set(result["speedups"]) == {"rocketkv_over_full", "tiered_over_full"}
+
+
+def test_contexts_read_k_as_1024():
+    assert e2e.parse_tokens("32k, 128K,100") == [32768, 131072, 100]
