@@ -4,7 +4,9 @@
 ``TextDelta`` events as text becomes final and ends with exactly one ``TurnDone``. Errors in the
 request raise an ``EngineError`` before anything is yielded and leave the session unchanged.
 Closing the iterator early (or ``Engine.cancel``) ends the turn as ``cancelled``; the partial
-reply is kept in the history, marked ``cancelled``.
+reply is kept in the history, marked ``cancelled``. A turn stopped between two chunks of its
+prefill (a cancel, a closed iterator, a device-memory refusal) is undone instead: the session is
+as it was before it (a cancel still ends with a ``cancelled`` ``TurnDone``).
 
 All model work runs on one model thread (``Batcher``): the decode steps of every session generating
 at the same time are one batched forward, and a new turn's prefill joins that forward. Device
@@ -34,6 +36,7 @@ from app.engine.errors import (
     MessageTooLarge,
     SessionBusy,
     SessionNotFound,
+    TurnCancelled,
     UnknownMode,
 )
 from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
@@ -42,6 +45,7 @@ from app.engine.model_runner import ModelRunner
 from app.engine.persistence import kv_keys, persist_session, restore_session
 from app.engine.sampling import SamplingParams, make_generator, sample
 from app.engine.session import Session, TurnStats
+from app.engine.steps import PrefillGate
 from app.model_loader import LoadedModel, load_model
 from app.settings import Settings
 from rocketkv_mt.cache import CACHE_MODES, SessionCache, TierContext, make_cache
@@ -74,7 +78,9 @@ class Engine:
         )
         self.parking = True  # make room for a turn by parking idle sessions (else refuse it)
         # One model thread: the model steps of all sessions run there, batched (app/engine/batcher.py).
-        self.batcher = Batcher(self.runner, on_step=self._after_step, threads=settings.threads)
+        self.batcher = Batcher(
+            self.runner, on_step=self._after_step, prefill_chunk=settings.prefill_chunk, threads=settings.threads
+        )
 
     # --- sessions ----------------------------------------------------------------------------
     @property
@@ -218,7 +224,7 @@ class Engine:
     def _admit(self, session: Session, n_new: int, max_new: int) -> None:
         """Reserve device memory for a turn, parking idle sessions if needed, or refuse it."""
         mem = self.memory_account
-        need = mem.turn_bound(session, n_new, max_new)
+        need = mem.turn_bound(session, n_new, max_new, prefill_chunk=self.settings.prefill_chunk)
         if mem.budget:
             committed = mem.committed(self._sessions, exclude=session.id)
             victims: list[Session] = []
@@ -337,6 +343,7 @@ class Engine:
         self, session: Session, content: str, new_ids: list[int], params: SamplingParams, max_new: int
     ) -> AsyncIterator[TextDelta | TurnDone]:
         t0 = time.perf_counter()
+        before = len(session.messages), len(session.token_ids)
         session.messages.append({"role": "user", "content": content})
         session.token_ids.extend(new_ids)
         stats = TurnStats(prompt_tokens=len(session.token_ids), prefilled_tokens=0)
@@ -344,6 +351,8 @@ class Engine:
         generator = make_generator(params, self.runner.device)
         finish = "length"
         generated: list[int] = []
+        # Between two chunks of the prefill a cancel (or a refusal) stops the turn and undoes it.
+        gate = PrefillGate(lambda: self._between_chunks(session))
         try:
             if session.cache is None:  # parked, restored from Redis, or after a failed step
                 await self._step(lambda: self._materialize(session))
@@ -351,7 +360,7 @@ class Engine:
             prefill_ids = session.token_ids[cache.history_len :]
             stats.prefilled_tokens = len(prefill_ids)
             try:
-                logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new)
+                logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, gate)
             except ChunkUnavailable as exc:
                 # Part of the cold history is unreadable (spilled to Redis, which is down now): the token
                 # ids still hold all of it, so this same turn rebuilds the cache from them.
@@ -359,7 +368,7 @@ class Engine:
                 cache = await self._step(lambda: self._rebuild_cache(session))
                 self._admit(session, 0, max_new)  # the bound of a whole re-prefill, or a structured refusal
                 stats.prefilled_tokens = len(session.token_ids)
-                logits = await self.batcher.prefill(session.id, cache, session.token_ids, max_new)
+                logits = await self.batcher.prefill(session.id, cache, session.token_ids, max_new, gate)
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
             with self.batcher.decoding():
                 while True:
@@ -384,22 +393,55 @@ class Engine:
         except (GeneratorExit, asyncio.CancelledError):
             finish = "cancelled"
             raise
-        except Exception:
-            log.exception("turn failed in session %s; its cache will be rebuilt", session.id)
-            failed, session.cache = session.cache, None
-            self.memory_account.set_held(session.id, 0)
-            if failed is not None:
-                await self._step(lambda: self._release_quietly(session, failed))
-            finish = "error"
-            raise
+        except Exception as exc:
+            if gate.undone:  # stopped between two chunks of the prefill (undone below)
+                if not isinstance(exc, TurnCancelled):
+                    raise  # a refusal, before anything was yielded
+            else:
+                log.exception("turn failed in session %s; its cache will be rebuilt", session.id)
+                failed, session.cache = session.cache, None
+                self.memory_account.set_held(session.id, 0)
+                if failed is not None:
+                    await self._step(lambda: self._release_quietly(session, failed))
+                finish = "error"
+                raise
         finally:
-            self._finish_turn(session, detok, generated, finish, stats, t0)
+            if gate.undone:
+                self._undo_turn(session, before, stats, t0)
+            else:
+                self._finish_turn(session, detok, generated, finish, stats, t0)
+        if gate.undone:
+            yield self._done_event(session, stats, "")
+            return
         tail = detok.flush()
         if tail:
             yield TextDelta(tail)
         if self.redis is not None:
             await self._step(lambda: persist_session(self.redis, session))
         yield self._done_event(session, stats, detok.text)
+
+    def _between_chunks(self, session: Session) -> None:
+        """Model thread, between two chunks of a turn's prefill: a cancel ends the turn there, and so
+        does a cache found past the device memory reserved for its turn (the bound did not hold)."""
+        if session.cancel_requested:
+            raise TurnCancelled("cancelled while the message was prefilled")
+        mem = self.memory_account
+        if mem.budget and mem.held.get(session.id, 0) > mem.reserved.get(session.id, mem.budget):
+            mem.refusals += 1
+            raise DeviceMemoryExhausted(
+                "this turn's prefill outgrew the device memory reserved for it; the session is unchanged, retry later"
+            )
+
+    def _undo_turn(self, session: Session, before: tuple[int, int], stats: TurnStats, t0: float) -> None:
+        """A turn stopped before its prefill ended: the session is as it was before it (its cache's
+        chunks were taken back); only the returned stats tell of it."""
+        del session.messages[before[0] :], session.token_ids[before[1] :]
+        stats.finish_reason, stats.latency_ms = "cancelled", (time.perf_counter() - t0) * 1000
+        if session.cache is not None:
+            self.memory_account.set_held(session.id, session.cache.device_bytes())
+        self.memory_account.reserved.pop(session.id, None)
+        session.busy = False
+        session.cancel_requested = False
 
     def _finish_turn(
         self, session: Session, detok: Detokenizer, generated: list[int], finish: str, stats: TurnStats, t0: float

@@ -44,9 +44,10 @@ class DeviceMemory:
         self.overruns = 0
 
     # --- bounds --------------------------------------------------------------------------------
-    def turn_bound(self, session: "Session", n_new: int, max_new: int) -> int:
+    def turn_bound(self, session: "Session", n_new: int, max_new: int, prefill_chunk: int = 0) -> int:
         """Upper bound of the session's device bytes while a turn that adds ``n_new`` tokens to its
-        history (not yet in ``session.token_ids``) and generates up to ``max_new`` runs."""
+        history (not yet in ``session.token_ids``) and generates up to ``max_new`` runs, its prefill
+        split into chunks of ``prefill_chunk`` tokens (0: never split)."""
         cache = session.cache
         if cache is not None:
             fed, kept, held = cache.history_len, cache.kept_tokens(), cache.device_bytes()
@@ -62,6 +63,10 @@ class DeviceMemory:
         split = session.rocket.split(total, m, self.head_dim)
         pb, page = split.prompt_budget, split.page_size
         pt, lt = self.per_token, self.per_layer_token
+        # The new tokens sit uncompressed in one layer at a time until its prefill compresses it; in
+        # every layer at once when the prefill is chunked (compression waits for its last chunk).
+        chunked = 0 < prefill_chunk < n
+        spread = pt if chunked else lt
         mode = session.mode
         if mode == "full":
             bound = pt * total
@@ -72,7 +77,9 @@ class DeviceMemory:
             # snapkv, rocketkv, tiered: a layer holds its kept tokens plus the new ones only until its
             # own prefill compresses it; afterwards at most the prompt budget, then the decode tokens.
             kept_after = max(pb, kept) + m
-            bound = pt * kept_after + lt * n
+            bound = pt * kept_after + spread * n
+            if chunked:  # and the old KT pages of the layers not compressed yet
+                bound += max(0, held - pt * kept)
             if mode in HSA_MODES:
                 bound += pt * (math.ceil(kept_after / page) + 2)
             if mode == "tiered":
@@ -84,7 +91,7 @@ class DeviceMemory:
                     # the selection, plus one layer's digests and attention scratch.
                     pages = pages_per_head(self.digest_candidates, pb, self.page_tokens)
                     bound += pt * min(fed, pages * self.page_tokens) + lt * 2 * (math.ceil(fed / self.page_tokens) + n)
-        return max(bound, held + lt * n)
+        return max(bound, held + spread * n)
 
     # --- accounting ----------------------------------------------------------------------------
     def committed(self, session_ids: Iterable[str], exclude: str | None = None) -> int:

@@ -33,6 +33,7 @@ class ForwardStep:
     prefill: bool
     max_new: int = 0
     split: BudgetSplit | None = None
+    rest: int = 0  # tokens of the same prefill that later forwards feed (a prefill split into chunks)
 
 
 @dataclass
@@ -50,6 +51,12 @@ class SessionCache(ABC):
     The engine calls ``begin_forward`` before each model forward and ``end_forward`` after it; in
     between, the registered attention function calls ``attend`` once per layer with that layer's
     new queries/keys/values (keys after RoPE, at their true history positions).
+
+    A turn's prefill may be split into chunks, one forward each (``rest`` > 0 until the last): the
+    chunks before the last are appended to every layer uncompressed and attend densely over all the
+    layer holds, so the last chunk finds what a whole prefill would have, and the mode's end of
+    prefill (Stage 1 over the turn's window, KT, re-selection) runs once, there. Until then
+    ``undo_chunks`` takes the chunks back.
     """
 
     mode: str = "abstract"
@@ -66,19 +73,43 @@ class SessionCache(ABC):
         self.split: BudgetSplit | None = None
         self.timer = AttentionTimer()
         self.traffic = Traffic()  # bytes this cache moved between tiers in its last turn (tiered modes)
+        # While a chunked prefill is under way: the history length and split from before its first chunk.
+        self._chunked_from: tuple[int, BudgetSplit | None] | None = None
 
     # --- engine side -------------------------------------------------------------------------
-    def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0) -> None:
+    def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0, rest: int = 0) -> None:
+        """``rest``: tokens of this prefill that later forwards feed (0: this forward ends it)."""
         split = None
         if prefill:
-            split = self.rocket.split(self.history_len + n_new + max_new, max_new, self.spec.head_dim)
+            if rest and self._chunked_from is None:
+                self._chunked_from = (self.history_len, self.split)
+            split = self.rocket.split(self.history_len + n_new + rest + max_new, max_new, self.spec.head_dim)
             self.split = split
-        self.step = ForwardStep(n_new=n_new, prefill=prefill, max_new=max_new, split=split)
+        self.step = ForwardStep(n_new=n_new, prefill=prefill, max_new=max_new, split=split, rest=rest)
 
     def end_forward(self) -> None:
         assert self.step is not None
         self.history_len += self.step.n_new
+        if self.step.prefill and not self.step.rest:
+            self._chunked_from = None
         self.step = None
+
+    def last_chunk_min(self) -> int | None:
+        """Fewest tokens the last forward of a chunked prefill must feed (Stage 1 scores with its last
+        queries), or None when this cache's next prefill cannot be split without changing its result."""
+        return self.rocket.window_size
+
+    @torch.inference_mode()
+    def undo_chunks(self) -> None:
+        """Take back the chunks an unfinished chunked prefill has fed (between two forwards): the cache
+        is as it was before the prefill's first chunk."""
+        if self._chunked_from is None:
+            return
+        (history_len, split), self._chunked_from = self._chunked_from, None
+        fed = self.history_len - history_len
+        for store in self.layers:
+            store.truncate(store.length - fed)
+        self.history_len, self.split = history_len, split
 
     def positions(self, n_new: int) -> torch.Tensor:
         """Positions of the next n_new tokens: they continue the whole history, not the kept length."""
@@ -103,6 +134,9 @@ class SessionCache(ABC):
         """q (Hq, n, d); k, v (Hkv, n, d) -> (Hq, n, d)."""
         self.layers[layer].append(k, v, self.positions(k.shape[1]))
         if self.step is not None and self.step.prefill:
+            if self.step.rest:  # a chunk before the last: nothing is compressed until the prefill ends
+                store = self.layers[layer]
+                return dense_attention(q, store.keys, store.values, scaling)
             return self.prefill_attention(layer, q, scaling)
         return self.decode_attention(layer, q, scaling)
 

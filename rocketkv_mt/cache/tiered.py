@@ -74,13 +74,20 @@ class TieredCache(RocketKVCache):
         ]
         self._pending: list[Pending | None] = [None] * spec.num_layers
 
-    def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0) -> None:
+    def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0, rest: int = 0) -> None:
         if prefill:
             self.settle()
-        super().begin_forward(n_new, prefill=prefill, max_new=max_new)
+        super().begin_forward(n_new, prefill=prefill, max_new=max_new, rest=rest)
         if prefill:
             self.readmitted = 0
             self.traffic.reset()
+
+    def last_chunk_min(self) -> int | None:
+        # The cold pages a turn reads, and with ``selected`` what every new token attends to, follow
+        # from the turn's last window: earlier chunks could not attend as the whole prefill does.
+        if self.tiers.prefill_attention == "selected" or any(cold.has_pages() for cold in self.cold):
+            return None
+        return super().last_chunk_min()
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         if self._pending[layer] is not None:  # the first decode step: the turn's selection takes effect
