@@ -224,9 +224,10 @@ class Engine:
     def _admit(self, session: Session, n_new: int, max_new: int) -> None:
         """Reserve device memory for a turn, parking idle sessions if needed, or refuse it."""
         mem = self.memory_account
-        need = mem.turn_bound(session, n_new, max_new, prefill_chunk=self.settings.prefill_chunk)
+        need = mem.turn_bound(session, n_new, max_new)
+        extra = mem.turn_bound(session, n_new, max_new, prefill_chunk=self.settings.prefill_chunk) - need
         if mem.budget:
-            committed = mem.committed(self._sessions, exclude=session.id)
+            committed = mem.committed(self._sessions, exclude=session.id, chunking=extra)
             victims: list[Session] = []
             if committed + need > mem.budget and self.parking:
                 idle = sorted(
@@ -249,7 +250,7 @@ class Engine:
                 )
             for victim in victims:
                 self._park(victim)
-        mem.reserved[session.id] = need
+        mem.reserved[session.id], mem.chunking[session.id] = need, extra
 
     def _park(self, session: Session) -> None:
         """Take an idle session's cache off the device; its next turn restores it (or re-prefills)."""
@@ -369,6 +370,7 @@ class Engine:
                 self._admit(session, 0, max_new)  # the bound of a whole re-prefill, or a structured refusal
                 stats.prefilled_tokens = len(session.token_ids)
                 logits = await self.batcher.prefill(session.id, cache, session.token_ids, max_new, gate)
+            self.memory_account.chunking.pop(session.id, None)  # compressed: back within its bound
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
             with self.batcher.decoding():
                 while True:
@@ -426,7 +428,7 @@ class Engine:
         if session.cancel_requested:
             raise TurnCancelled("cancelled while the message was prefilled")
         mem = self.memory_account
-        if mem.budget and mem.held.get(session.id, 0) > mem.reserved.get(session.id, mem.budget):
+        if mem.budget and mem.outgrown(session.id):
             mem.refusals += 1
             raise DeviceMemoryExhausted(
                 "this turn's prefill outgrew the device memory reserved for it; the session is unchanged, retry later"
@@ -440,6 +442,7 @@ class Engine:
         if session.cache is not None:
             self.memory_account.set_held(session.id, session.cache.device_bytes())
         self.memory_account.reserved.pop(session.id, None)
+        self.memory_account.chunking.pop(session.id, None)
         session.busy = False
         session.cancel_requested = False
 
@@ -467,6 +470,7 @@ class Engine:
             stats.readmitted_tokens = session.cache.readmitted_tokens()
             self.memory_account.set_held(session.id, stats.device_bytes)
         self.memory_account.reserved.pop(session.id, None)
+        self.memory_account.chunking.pop(session.id, None)
         session.turns.append(stats)
         session.busy = False
         session.cancel_requested = False

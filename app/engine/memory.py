@@ -7,6 +7,8 @@ generating, at the bound reserved for its turn, fit in the budget with this turn
 engine parks idle sessions to make room, or refuses the turn. The bound (``turn_bound``) is an
 upper bound of the session's ``device_bytes()`` at every step of the turn, plus the per-layer
 scratch its prefill needs (history keys and values streamed in for one layer at a time).
+A prefill fed in chunks holds more than that while it is fed (``chunking``); the batcher feeds one
+prefill in chunks at a time, so only the largest of these extras is committed.
 Actual totals are taken after every model step (``observe``); ``overruns`` counts sessions found
 above their reservation (a bound that does not hold; expected to stay 0).
 """
@@ -37,6 +39,7 @@ class DeviceMemory:
         self.head_dim = spec.head_dim
         self.held: dict[str, int] = {}  # device_bytes() of each session's cache, as last measured
         self.reserved: dict[str, int] = {}  # bound of each generating session's turn
+        self.chunking: dict[str, int] = {}  # what a turn's chunked prefill may hold beyond that, until it ends
         self.peak = 0
         self.current = 0
         self.parks = 0
@@ -94,21 +97,30 @@ class DeviceMemory:
         return max(bound, held + spread * n)
 
     # --- accounting ----------------------------------------------------------------------------
-    def committed(self, session_ids: Iterable[str], exclude: str | None = None) -> int:
-        """Bytes the sessions hold or have reserved (a generating session counts at its bound)."""
-        return sum(
-            max(self.held.get(sid, 0), self.reserved.get(sid, 0)) for sid in session_ids if sid != exclude
+    def committed(self, session_ids: Iterable[str], exclude: str | None = None, chunking: int = 0) -> int:
+        """Bytes the sessions hold or have reserved (a generating session counts at its bound), plus the
+        largest extra of a chunked prefill among theirs and ``chunking`` (the next turn's)."""
+        ids = [sid for sid in session_ids if sid != exclude]
+        extras = [self.chunking.get(sid, 0) for sid in ids]
+        held = sum(
+            max(self.held.get(sid, 0) - extra, self.reserved.get(sid, 0)) for sid, extra in zip(ids, extras)
         )
+        return held + max([chunking, *extras])
+
+    def outgrown(self, session_id: str) -> bool:
+        """Whether a generating session holds more than its turn reserved (its bound did not hold)."""
+        reserved = self.reserved.get(session_id)
+        return reserved is not None and self.held.get(session_id, 0) > reserved + self.chunking.get(session_id, 0)
 
     def set_held(self, session_id: str, nbytes: int) -> None:
         self.held[session_id] = int(nbytes)
-        reserved = self.reserved.get(session_id)
-        if reserved is not None and nbytes > reserved:
+        if self.outgrown(session_id):
             self.overruns += 1
 
     def forget(self, session_id: str) -> None:
         self.held.pop(session_id, None)
         self.reserved.pop(session_id, None)
+        self.chunking.pop(session_id, None)
 
     def observe(self, session_ids: Iterable[str]) -> int:
         """Total held by these sessions now; raises the peak."""
@@ -124,7 +136,7 @@ class DeviceMemory:
         return {
             "device_budget_bytes": self.budget,
             "device_bytes_held": self.current,
-            "device_bytes_reserved": sum(self.reserved.values()),
+            "device_bytes_reserved": sum(self.reserved.values()) + max(self.chunking.values(), default=0),
             "peak_device_bytes": self.peak,
             "sessions_parked_total": self.parks,
             "turns_refused_device_memory": self.refusals,

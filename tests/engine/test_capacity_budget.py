@@ -21,7 +21,7 @@ def message(engine, seed: int, words: int = 260) -> str:
 def bound_of_first_turn(engine, mode: str, text: str) -> int:
     probe = engine.create_session(mode=mode, budget=64)
     n = len(engine._turn_ids(probe, text))
-    bound = engine.memory_account.turn_bound(probe, n, PARAMS.max_tokens, prefill_chunk=engine.settings.prefill_chunk)
+    bound = engine.memory_account.turn_bound(probe, n, PARAMS.max_tokens)
     engine.drop(probe.id)
     return bound
 

@@ -91,7 +91,7 @@ def test_decode_tokens_of_other_sessions_ride_along():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_engine, mode):
-    results = []
+    results, overruns = [], []
     for chunk in (0, CHUNK):
         engine = make_engine(prefill_chunk=chunk)
         session = engine.create_session(mode=mode, budget=64)
@@ -100,13 +100,14 @@ async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_en
             done = await run_turn(engine, session.id, message(engine, seed, words))
             turns.append((reply_ids(session, done), done.usage, done.text))
         results.append((turns, cache_state(session), [layer.keys.clone() for layer in session.cache.layers]))
+        overruns.append(engine.memory_account.overruns)
         stats = engine.batcher.stats
         if chunk:
             # The first turn was fed in 5 steps; later turns too, except tiered's (it then reads cold pages).
             assert stats.prefill_chunks == (4 if mode == "tiered" else 5)
-            assert engine.memory_account.overruns == 0
         else:
             assert stats.prefill_chunks == 0
+    assert overruns[1] <= overruns[0]  # the chunks stayed within what their turns reserved
     (whole, whole_cache, whole_keys), (chunked, chunked_cache, chunked_keys) = results
     assert chunked == whole
     assert all(len(ids) > 0 for ids, _, _ in whole)
@@ -161,6 +162,30 @@ async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine)
     # it on a loaded machine: a step waits for a generating session only briefly).
     assert sum(a.id in keys for keys in with_b[:5]) >= 4
     assert engine.batcher.stats.prefill_chunks >= 4
+
+
+@pytest.mark.slow
+async def test_chunked_prefills_share_one_extra_in_the_device_budget(make_engine):
+    """Prefills are fed in chunks one at a time, so two turns that arrive together need their bounds
+    plus one chunking extra (every new token in every layer until the last chunk), not two."""
+    engine = make_engine(prefill_chunk=CHUNK, device_budget_bytes=1)
+    a, b = (engine.create_session(mode="rocketkv", budget=64) for _ in range(2))
+    texts = [message(engine, 8, 230), message(engine, 9, 230)]
+    mem = engine.memory_account
+    needs, extras = [], []
+    for session, text in zip((a, b), texts):
+        n = len(engine._turn_ids(session, text))
+        needs.append(mem.turn_bound(session, n, PARAMS.max_tokens))
+        extras.append(mem.turn_bound(session, n, PARAMS.max_tokens, prefill_chunk=CHUNK) - needs[-1])
+    assert min(extras) > 0
+    mem.budget = sum(needs) + max(extras) + 4096
+    assert mem.budget < sum(needs) + sum(extras)
+    done = await asyncio.gather(*(run_turn(engine, s.id, t) for s, t in zip((a, b), texts)))
+    assert all(d.usage.generated_tokens > 0 for d in done)
+    stats = engine.stats()
+    assert stats["turns_refused_device_memory"] == 0 and stats["device_reservation_overruns"] == 0
+    assert 0 < stats["peak_device_bytes"] <= mem.budget
+    assert engine.batcher.stats.prefill_chunks >= 8 and not mem.chunking
 
 
 async def _stopped_turn(engine, session, how: str, monkeypatch) -> None:
@@ -222,6 +247,7 @@ async def test_a_turn_stopped_between_chunks_leaves_the_session_as_before(make_e
 
     await _stopped_turn(engine, stopped, how, monkeypatch)
     assert not stopped.busy and stopped.id not in engine.memory_account.reserved
+    assert stopped.id not in engine.memory_account.chunking
     assert stopped.messages == reference.messages
     assert stopped.token_ids == reference.token_ids
     assert cache_state(stopped) == cache_state(reference)
