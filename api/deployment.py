@@ -1,7 +1,8 @@
 """Ray Serve application: an HTTP ingress (FastAPI) in front of chat replicas.
 
-``ChatReplica`` runs an ``Engine`` inside a ``ChatService``; the ingress reaches it through a
-``RayBackend`` whose requests ``SessionAffinityRouter`` pins to the session's replica. Each
+``ChatReplica`` runs an ``Engine`` inside a ``ChatService``; the ingress's ``ServiceClient``
+reaches it through a ``RayTransport`` whose requests ``SessionAffinityRouter`` pins to the
+session's replica. Each
 replica registers the sessions it serves with ``@serve.multiplexed`` (the router prefers a
 replica that holds the session); the registry is only routing data, the sessions themselves
 live in the service. ``deploy`` / ``run_ray`` start Ray, its HTTP proxy and the application
@@ -19,8 +20,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from api.server import build_service, served_model_name, with_stats_route
-from app.contract.errors import ChatError
 from app.contract.events import TurnStarted
+from app.contract.service import HOLDING_VERBS, VERBS, outcome
 from app.settings import ServerSettings
 
 # Read at import because the decorator needs it at class creation (replicas inherit the env).
@@ -50,45 +51,18 @@ class ChatReplica:
     async def _hold(self, session_id: str) -> str:
         return session_id
 
-    async def _unary(self, sid: str, method, *args) -> dict[str, Any]:
+    async def call(self, verb: str, *args) -> dict[str, Any]:
+        """One unary verb of the service (``app.contract.service.VERBS``), its result as ``outcome`` data."""
+        if verb not in VERBS:
+            raise ValueError(f"{verb!r} is not a session verb")
         self.service.start()
-        try:
-            result = await method(*args)
-        except ChatError as exc:
-            return {"error": {"code": exc.code, "message": exc.message}}
-        if sid:
-            await self._hold(sid)
-        return {"ok": result}
+        result = await outcome(getattr(self.service, verb)(*args))
+        if "ok" in result and verb in HOLDING_VERBS:
+            await self._hold(args[0])
+        return result
 
-    async def create(self, sid, mode, budget, system, owner=None):
-        return await self._unary(sid, self.service.create, sid, mode, budget, system, owner)
-
-    async def import_session(self, sid, data, owner=None):
-        return await self._unary(sid, self.service.import_session, sid, data, owner)
-
-    async def resume(self, sid, token, owner=None):
-        return await self._unary(sid, self.service.resume, sid, token, owner)
-
-    async def get(self, sid, token, owner=None):
-        return await self._unary(sid, self.service.get, sid, token, owner)
-
-    async def export(self, sid, token, owner=None):
-        return await self._unary(sid, self.service.export, sid, token, owner)
-
-    async def delete(self, sid, token, owner=None):
-        return await self._unary("", self.service.delete, sid, token, owner)
-
-    async def cancel(self, sid, token, owner=None):
-        return await self._unary("", self.service.cancel, sid, token, owner)
-
-    async def list_sessions(self, owner=None):
-        return {"ok": await self.service.list_sessions(owner)}
-
-    async def stats(self):
-        return {"ok": self.service.stats()}
-
-    async def chat(self, sid, token, content, sampling, history=None, owner=None):
-        async for event in self.service.chat(sid, token, content, sampling, history, owner):
+    async def chat(self, sid, *args):
+        async for event in self.service.chat(sid, *args):
             if event.type == TurnStarted.type:
                 await self._hold(sid)
             yield event
@@ -97,16 +71,20 @@ class ChatReplica:
 @serve.ingress()
 class Ingress:
     def __init__(self, chat: Any, settings: dict[str, Any]):
-        from api.ray_backend import RayBackend
+        from api.ray_transport import RayTransport
+        from api.service_client import ServiceClient
+        from app.session_store import SessionStore
 
         config = ServerSettings(**settings)
         self.settings = config
-        self.backend = RayBackend(chat, config, f"ingress-{replica_name()}", served_model_name(config))
+        store = SessionStore.connect(config.redis_url, config.redis_namespace, config.redis_ttl_s) if config.redis_url else None
+        self.service = ServiceClient(RayTransport(chat), served_model_name(config), f"ingress-{replica_name()}",
+                                     store, retry_s=config.request_retry_s)
 
     def __serve_build_asgi_app__(self):
         from api.routes import create_app
 
-        return with_stats_route(create_app(self.backend, self.settings))
+        return with_stats_route(create_app(self.service, self.settings))
 
 
 def gpus_per_replica(settings: ServerSettings) -> float:

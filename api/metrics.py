@@ -2,7 +2,7 @@
 
 Turn metrics (tokens, latency, bytes each turn moved between tiers) are counted where the turns
 pass through (every ``done`` event), so one ingress sees all replicas' turns. Session and tier
-figures (bytes held, entries moved, bytes each tier served and took) come from ``Backend.stats()``,
+figures (bytes held, entries moved, bytes each tier served and took) come from ``SessionService.stats()``,
 refreshed at each scrape. Each app has its own registry (several apps can live in one process,
 as in tests).
 """
@@ -29,7 +29,7 @@ TURN_TRAFFIC = {
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-class _BackendCollector(Collector):
+class _ServiceCollector(Collector):
     def __init__(self):
         self.snapshot: dict[str, Any] = {}
 
@@ -82,8 +82,8 @@ class Metrics:
         )
         self.tokens_per_s.set_function(self._rate)
         self._recent: deque[tuple[float, int]] = deque()
-        self._backend = _BackendCollector()
-        r.register(self._backend)
+        self._service = _ServiceCollector()
+        r.register(self._service)
 
     def _rate(self) -> float:
         cutoff = time.monotonic() - RATE_WINDOW_S
@@ -111,5 +111,5 @@ class Metrics:
             self._recent.append((time.monotonic(), usage["generated_tokens"]))
 
     def render(self, snapshot: dict[str, Any]) -> bytes:
-        self._backend.snapshot = snapshot
+        self._service.snapshot = snapshot
         return generate_latest(self.registry)

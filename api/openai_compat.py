@@ -7,7 +7,9 @@ session's stored history, role for role and content for content; then only the l
 is prefilled. A history that does not match answers 409 ``history_mismatch`` and leaves the
 session alone: silently starting over would hide a client bug and cost a full prefill.
 Responses carry ``x-session-id``/``x-session-token`` (to continue) and ``x-replica``;
-``usage.prefilled_tokens`` says how many prompt tokens were actually prefilled.
+``usage.prefilled_tokens`` says how many prompt tokens were actually prefilled. A request sent
+again with the same ``Idempotency-Key`` header (and ``x-session-id``) gets the finished turn's
+answer instead of running it a second time.
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ from typing import Any
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.backend import Backend
 from api.errors import ApiError
 from api.auth import request_owner
 from api.metrics import Metrics
@@ -36,6 +37,8 @@ from api.schemas import (
     ModelCard,
     ModelList,
 )
+from api.wire import wire_stream
+from app.contract.service import SessionService
 
 router = APIRouter(tags=["openai"])
 STARTED = int(time.time())
@@ -76,7 +79,7 @@ def _split(req: ChatCompletionRequest) -> tuple[list[dict[str, str]], str]:
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request):
-    return ModelList(data=[ModelCard(id=request.app.state.backend.model_name, created=STARTED)])
+    return ModelList(data=[ModelCard(id=request.app.state.service.model_name, created=STARTED)])
 
 
 @router.post("/v1/chat/completions")
@@ -85,11 +88,12 @@ async def chat_completions(
     request: Request,
     session_id: str | None = Header(None, alias="x-session-id"),
     session_token: str | None = Header(None, alias="x-session-token"),
+    idempotency_key: str | None = Header(None, alias="idempotency-key", min_length=1, max_length=128),
 ):
-    backend: Backend = request.app.state.backend
+    service: SessionService = request.app.state.service
     metrics: Metrics = request.app.state.metrics
     caller = request_owner(request)
-    if req.model != backend.model_name:
+    if req.model != service.model_name:
         raise ApiError("model_not_found", f"model {req.model!r} is not served; see /v1/models")
     if req.n != 1:
         raise ApiError("invalid_request", "only n=1 is supported")
@@ -98,16 +102,17 @@ async def chat_completions(
         expected = [[m["role"], m["content"]] for m in history]
         created = False
     else:
-        info = await backend.import_session({"mode": req.mode, "budget": req.budget, "messages": history}, caller)
+        info = await service.import_session({"mode": req.mode, "budget": req.budget, "messages": history}, caller)
         session_id, session_token, expected, created = info["session_id"], info["token"], None, True
 
-    events = backend.chat(session_id, session_token, content, _sampling(req), expected, caller)
+    events = wire_stream(service.chat(session_id, session_token, content, _sampling(req), expected, caller,
+                                      idempotency_key))
     start = await anext(events)
     if start["type"] == "error":
         metrics.observe(start)
         await events.aclose()
         if created:  # nobody can use a session whose first turn was refused
-            await backend.delete_session(session_id, session_token, caller)
+            await service.delete_session(session_id, session_token, caller)
         raise ApiError.from_event(start)
     headers = {"x-session-id": session_id, "x-session-token": session_token or "", "x-replica": start["replica"]}
     cid = f"chatcmpl-{uuid.uuid4().hex}"

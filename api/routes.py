@@ -1,4 +1,4 @@
-"""The FastAPI app: ``create_app(backend)`` serves the same routes over any ``Backend``.
+"""The FastAPI app: ``create_app(service)`` serves the same routes over any ``SessionService``.
 
 Routes: WebSocket ``/v1/chat/ws``; ``/v1/sessions`` (REST); ``/v1/chat/completions`` and
 ``/v1/models`` (OpenAI); ``/healthz``; ``/metrics`` (Prometheus text). Every HTTP response has
@@ -18,13 +18,13 @@ from starlette.exceptions import HTTPException
 
 from api import openai_compat, sessions, ui
 from api.auth import ApiKeys, AuthGate
-from api.backend import Backend
 from api.errors import ApiError, error_response
 from api.limits import BodyLimit
 from api.metrics import CONTENT_TYPE, Metrics
 from api.schemas import Health
 from api.ws import ChatConnection
 from app.contract.errors import ChatError
+from app.contract.service import SessionService
 from app.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -53,21 +53,21 @@ class ReplicaHeader:
         await self.app(scope, receive, send_with_header)
 
 
-def create_app(backend: Backend, settings: ServeSettings | None = None) -> FastAPI:
+def create_app(service: SessionService, settings: ServeSettings | None = None) -> FastAPI:
     settings = settings or ServeSettings()
     keys = ApiKeys(settings.api_key)
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        await backend.start()
+        await service.start()
         try:
             yield
         finally:
-            await backend.close()
+            await service.close()
 
     app = FastAPI(title="rocketkv-mt", version="0.1.0", lifespan=lifespan)
-    app.state.backend = backend
+    app.state.service = service
     app.state.metrics = metrics
     app.state.settings = settings
     app.state.keys = keys
@@ -77,7 +77,7 @@ def create_app(backend: Backend, settings: ServeSettings | None = None) -> FastA
     # The last added runs first: the size check before auth, and x-replica on every answer, refusals too.
     app.add_middleware(AuthGate, keys=keys, metrics=metrics)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, metrics=metrics)
-    app.add_middleware(ReplicaHeader, replica=backend.replica)
+    app.add_middleware(ReplicaHeader, replica=service.replica)
 
     @app.exception_handler(ChatError)  # the service's errors and this layer's own (ApiError)
     async def api_error(_: Request, exc: ChatError):
@@ -107,25 +107,25 @@ def create_app(backend: Backend, settings: ServeSettings | None = None) -> FastA
     @app.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["ops"])
     async def healthz():
         try:
-            extra = await backend.health()
+            extra = await service.health()
         except Exception as exc:  # a health check must answer, whatever broke
             log.warning("health check failed", exc_info=True)
             extra = {"redis": {"ok": False, "error": f"{type(exc).__name__}: {exc}"}}
         degraded = extra.get("redis") is not None and not extra["redis"]["ok"]
-        return Health(status="degraded" if degraded else "ok", replica=backend.replica, model=backend.model_name,
-                      backend=backend.kind, **extra)
+        return Health(status="degraded" if degraded else "ok", replica=service.replica, model=service.model_name,
+                      backend=service.kind, **extra)
 
     @app.get("/metrics", tags=["ops"])
     async def prometheus():
         try:
-            snapshot = await backend.stats()
+            snapshot = await service.stats()
         except Exception:
-            log.warning("backend stats unavailable", exc_info=True)
+            log.warning("service stats unavailable", exc_info=True)
             snapshot = {}
         return Response(metrics.render(snapshot), media_type=CONTENT_TYPE)
 
     @app.websocket("/v1/chat/ws")
     async def chat_ws(ws: WebSocket):
-        await ChatConnection(ws, backend, metrics, keys, settings).run()
+        await ChatConnection(ws, service, metrics, keys, settings).run()
 
     return app

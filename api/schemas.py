@@ -9,7 +9,9 @@ client → server
   ``session.create``  {mode?, budget?, system?}         start a session on this connection
   ``session.resume``  {session_id, token?}               bind an existing session (token required
                                                          when the server issued one)
-  ``message``         {content, max_tokens?, temperature?, top_p?, stop?, seed?}
+  ``message``         {content, max_tokens?, temperature?, top_p?, stop?, seed?, idempotency_key?}
+                                                         the same key sent again gets the finished
+                                                         turn's answer, not a second run
   ``cancel``          {}                                 stop the reply being generated (answered by its
                                                          ``done``; with none under way: ``no_active_turn``)
 server → client
@@ -81,6 +83,9 @@ class UserMessage(_Strict):
     top_p: float | None = None
     stop: list[Text] | None = None
     seed: int | None = None
+    # The same key on a message sent again (after a lost connection) gets the finished turn's
+    # answer instead of a second run; without one, the server makes one per message.
+    idempotency_key: str | None = Field(None, min_length=1, max_length=128)
 
 
 class Cancel(_Strict):

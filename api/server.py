@@ -2,7 +2,8 @@
 
 ``build_service`` makes a replica's ``ChatService`` (engine, session store, limits) from settings;
 ``build_local_app`` puts the FastAPI routes over it in this process (tests, ``serve --no-ray``);
-``api.deployment`` puts the same routes over Ray Serve replicas that each hold one service.
+``api.deployment`` puts the same routes over Ray Serve replicas that each hold one service. Either
+way the routes are given a ``ServiceClient`` (``app.contract.service.SessionService``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from app.settings import ServerSettings
 
 if TYPE_CHECKING:  # the engine imports torch; building the CLI parser and the Ray ingress must stay light
     from app.chat_service import ChatService
-    from app.session_store import SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -25,23 +25,23 @@ def served_model_name(settings: ServerSettings) -> str:
     return display_name(settings.model)
 
 
-def make_store(settings: ServerSettings) -> "SessionStore | None":
-    from app.session_store import SessionStore
-
-    if not settings.redis_url:
-        return None
-    return SessionStore(settings.redis_url, settings.redis_namespace, settings.redis_ttl_s)
-
-
 def build_service(settings: ServerSettings, replica: str | None = None, loaded=None) -> "ChatService":
+    """A replica's service. With Redis, its session records and its engine's KV tier share the one
+    connection the engine opens (``RedisClient``)."""
     from app.chat_service import ChatService
     from app.engine.engine import Engine
+    from app.session_store import SessionStore
 
     engine = Engine(settings, loaded=loaded)
+    store = (
+        SessionStore(engine.redis.client, settings.redis_namespace, settings.redis_ttl_s)
+        if engine.redis is not None
+        else None
+    )
     return ChatService(
         engine,
         replica or settings.replica_id,
-        make_store(settings),
+        store,
         settings.idle_evict_s,
         max_sessions=settings.max_sessions_per_replica,
     )
@@ -49,21 +49,22 @@ def build_service(settings: ServerSettings, replica: str | None = None, loaded=N
 
 def build_local_app(settings: ServerSettings, loaded=None):
     """The app over an in-process engine (no Ray): tests and ``serve --no-ray``."""
-    from api.backend import LocalBackend
     from api.routes import create_app
+    from api.service_client import LocalTransport, ServiceClient
 
-    app = create_app(LocalBackend(build_service(settings, loaded=loaded), served_model_name(settings)), settings)
-    return with_stats_route(app)
+    service = build_service(settings, loaded=loaded)
+    client = ServiceClient(LocalTransport(service), served_model_name(settings), service.replica, service.store)
+    return with_stats_route(create_app(client, settings))
 
 
 def with_stats_route(app):
-    """Add ``GET /v1/stats``: the backend's totals as JSON (sessions, bytes per tier, device budget,
+    """Add ``GET /v1/stats``: the service's totals as JSON (sessions, bytes per tier, device budget,
     peak device bytes, parked sessions, refused turns, batching figures); ``bench serve`` reads it."""
-    backend = app.state.backend
+    service = app.state.service
 
     @app.get("/v1/stats", tags=["ops"])
     async def stats():
-        return await backend.stats()
+        return await service.stats()
 
     return app
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Body, Header, Request, Response
 
 from api.auth import request_owner as owner
-
 from api.schemas import CreateSessionRequest, SessionDetail, SessionExport, SessionInfo, SessionList
+from app.contract.service import SessionService
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 TOKEN_HEADER = "x-session-token"
 
 
-def _backend(request: Request):
-    return request.app.state.backend
+def _service(request: Request) -> SessionService:
+    return request.app.state.service
 
 
 def _replica(response: Response, payload: dict) -> dict:
@@ -29,36 +29,35 @@ def _replica(response: Response, payload: dict) -> dict:
 @router.post("", status_code=201, response_model=SessionInfo)
 async def create_session(request: Request, response: Response, body: CreateSessionRequest | None = Body(None)):
     body = body or CreateSessionRequest()
-    backend = _backend(request)
-    return _replica(response, await backend.create_session(body.mode, body.budget, body.system, owner(request)))
+    return _replica(response, await _service(request).create_session(body.mode, body.budget, body.system, owner(request)))
 
 
 @router.get("", response_model=SessionList)
 async def list_sessions(request: Request):
-    return {"sessions": await _backend(request).list_sessions(owner(request))}
+    return {"sessions": await _service(request).list_sessions(owner(request))}
 
 
 @router.post("/import", status_code=201, response_model=SessionInfo)
 async def import_session(request: Request, response: Response, body: SessionExport):
     data = body.model_dump(exclude={"format", "session_id"})
-    return _replica(response, await _backend(request).import_session(data, owner(request)))
+    return _replica(response, await _service(request).import_session(data, owner(request)))
 
 
 @router.get("/{session_id}", response_model=SessionDetail)
 async def get_session(
     session_id: str, request: Request, response: Response, token: str | None = Header(None, alias=TOKEN_HEADER)
 ):
-    return _replica(response, await _backend(request).get_session(session_id, token, owner(request)))
+    return _replica(response, await _service(request).get_session(session_id, token, owner(request)))
 
 
 @router.get("/{session_id}/export", response_model=SessionExport)
 async def export_session(
     session_id: str, request: Request, token: str | None = Header(None, alias=TOKEN_HEADER)
 ):
-    return await _backend(request).export_session(session_id, token, owner(request))
+    return await _service(request).export_session(session_id, token, owner(request))
 
 
 @router.delete("/{session_id}", status_code=204)
 async def delete_session(session_id: str, request: Request, token: str | None = Header(None, alias=TOKEN_HEADER)):
-    await _backend(request).delete_session(session_id, token, owner(request))
+    await _service(request).delete_session(session_id, token, owner(request))
     return Response(status_code=204)

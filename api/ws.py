@@ -24,7 +24,6 @@ from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from api.auth import ApiKeys, bearer, header
-from api.backend import Backend
 from api.errors import ApiError
 from api.limits import FrameRate
 from api.metrics import Metrics
@@ -40,7 +39,9 @@ from api.schemas import (
     UserMessage,
     client_event_adapter,
 )
+from api.wire import wire_stream
 from app.contract.errors import ChatError
+from app.contract.service import SessionService
 from app.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -78,14 +79,14 @@ class ChatConnection:
     def __init__(
         self,
         ws: WebSocket,
-        backend: Backend,
+        service: SessionService,
         metrics: Metrics,
         keys: ApiKeys | None = None,
         settings: ServeSettings | None = None,
     ):
         settings = settings or ServeSettings()
         self.ws = ws
-        self.backend = backend
+        self.service = service
         self.metrics = metrics
         self.keys = keys or ApiKeys(None)
         self.owner: str | None = None
@@ -192,10 +193,10 @@ class ChatConnection:
             elif self.generating:
                 raise ApiError("session_busy", "a reply is being generated; wait for 'done' or send 'cancel'")
             elif isinstance(event, SessionCreate):
-                info = await self.backend.create_session(event.mode, event.budget, event.system, self.owner)
+                info = await self.service.create_session(event.mode, event.budget, event.system, self.owner)
                 await self._bind(info)
             elif isinstance(event, SessionResume):
-                await self._bind(await self.backend.resume(event.session_id, event.token, self.owner))
+                await self._bind(await self.service.resume_session(event.session_id, event.token, self.owner))
             elif isinstance(event, UserMessage):
                 if self.session_id is None:
                     raise ApiError("no_session", "send 'session.create' or 'session.resume' first")
@@ -234,12 +235,13 @@ class ChatConnection:
             if turn is not self.turn or not self.generating:
                 return
             with contextlib.suppress(ChatError):
-                if await self.backend.cancel(self.session_id, self.token, self.owner):
+                if await self.service.cancel_turn(self.session_id, self.token, self.owner):
                     return
             await asyncio.sleep(0.05)
 
     async def _stream(self, msg: UserMessage) -> None:
-        events = self.backend.chat(self.session_id, self.token, msg.content, sampling_of(msg), owner=self.owner)
+        events = wire_stream(self.service.chat(self.session_id, self.token, msg.content, sampling_of(msg),
+                                               owner=self.owner, turn_key=msg.idempotency_key))
         try:
             # aclosing: a send that fails (client gone) must end the turn now, not when the
             # abandoned generator happens to be collected.

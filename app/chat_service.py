@@ -1,15 +1,16 @@
-"""What one chat replica does: an ``Engine`` behind the session verbs its callers use.
+"""What one chat replica does: an ``Engine`` behind the session verbs (``app.contract.service``).
 
-The same object serves in-process (tests, ``serve --no-ray``) and inside a Ray Serve replica.
-Every method speaks plain data (dicts, and the turn events of ``app.contract.events``) so that it
-can cross a Ray boundary. Errors are ``app.contract.errors`` classes for unary calls and a
-``TurnFailed`` event for streamed turns.
+The same object serves in-process (tests, ``serve --no-ray``) and inside a Ray Serve replica, always
+through ``api.service_client.ServiceClient``. Every method speaks plain data (dicts, and the turn
+events of ``app.contract.events``) so that it can cross a Ray boundary. Errors are
+``app.contract.errors`` classes for unary calls and a ``TurnFailed`` event for streamed turns.
 
 The jobs behind the verbs live in their own modules: who may open a session
-(``app.session_access``), which sessions stay in memory (``app.session_residency``), and the
-compare-and-set records in Redis that let any replica restore a session (``app.session_repository``).
-This class puts them in order for each verb and runs the housekeeping loop (idle eviction, saves
-that failed while Redis was down, this replica's stats).
+(``app.session_access``), which sessions stay in memory (``app.session_residency``), the one
+compare-and-set record per session in Redis that lets any replica restore it
+(``app.session_repository``), and turns that run at most once (``app.session_turns``). This class puts
+them in order for each verb and runs the housekeeping loop (idle eviction, saves that failed while
+Redis was down, this replica's stats).
 """
 from __future__ import annotations
 
@@ -22,50 +23,21 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from app.contract.errors import (
-    ChatError,
-    HistoryMismatch,
-    InvalidRequest,
-    InvalidSamplingParams,
-    SessionBusy,
-)
-from app.contract.events import Delta, Done, TurnEvent, TurnFailed, TurnStarted
+from app.contract.errors import SessionBusy
+from app.contract.events import TurnEvent
 from app.engine.engine import Engine
-from app.engine.events import TextDelta, TurnDone
-from app.engine.sampling import SamplingParams
 from app.engine.session import Session
 from app.replica_status import redis_health, replica_totals
 from app.session_access import SessionAccess, refuse
 from app.session_repository import SessionRepository
 from app.session_residency import Residency
-from app.session_restore import (
-    budget_of,
-    check_new,
-    create_with_id,
-    detail,
-    export,
-    is_unicode,
-    seed_session,
-    summary,
-)
+from app.session_restore import check_new, create_with_id, detail, export, info, seed_session, summary
 from app.session_store import SessionStore
+from app.session_turns import Turns
 
 log = logging.getLogger(__name__)
 STATS_PUSH_S = 5.0
 TICK_S = 1.0  # housekeeping period: unsaved sessions are retried this often while Redis is down
-SAMPLING_FLOOR = 1e-6
-MAX_SEED = 2**63 - 1
-
-
-def checked_sampling(sampling: dict[str, Any] | None) -> SamplingParams:
-    """``SamplingParams`` plus the bounds the sampler itself needs (found by fuzzing: smaller values
-    become 0 in float32, or push the logits to inf, and the turn fails)."""
-    params = SamplingParams.parse(**(sampling or {}))
-    if 0 < params.temperature < SAMPLING_FLOOR or params.top_p < SAMPLING_FLOOR:
-        raise InvalidSamplingParams(f"temperature (when not 0) and top_p must be at least {SAMPLING_FLOOR:g}")
-    if params.seed is not None and params.seed > MAX_SEED:
-        raise InvalidSamplingParams(f"seed must be at most {MAX_SEED} (torch seeds are 64-bit)")
-    return params
 
 
 class ChatService:
@@ -82,8 +54,9 @@ class ChatService:
         self.store = store
         self.idle_evict_s = idle_evict_s
         self.access = SessionAccess()
-        self.repository = SessionRepository(engine, store, self.replica, self.stats) if store is not None else None
+        self.repository = SessionRepository(engine, store, self.replica, self.totals) if store is not None else None
         self.residency = Residency(engine, self._can_leave, self._forget, max_sessions, idle_evict_s)
+        self.turns = Turns(engine, self.replica, self._session, self._persist, self._spawn)
         self._restore_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._housekeeper: asyncio.Task | None = None
@@ -103,7 +76,7 @@ class ChatService:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.repository is not None:
             await self.repository.close()
-        self.engine.close()
+        self.engine.close()  # last: its Redis connection is the records' too
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -174,25 +147,15 @@ class ChatService:
             self.access.grant(sid, data["token_sha256"])
             return session
 
-    def _info(self, session: Session, token: str, restored: bool = False) -> dict[str, Any]:
-        return {
-            "session_id": session.id,
-            "token": token,
-            "mode": session.mode,
-            "budget": budget_of(session),
-            "replica": self.replica,
-            "restored": restored,
-        }
-
     async def _adopt(self, session: Session) -> dict[str, Any]:
         token = self.access.issue(session.id)
         if self.repository is not None:
             self.repository.track(session.id)
         await self._persist(session)
-        return self._info(session, token)
+        return info(session, token, self.replica)
 
     # --- sessions ------------------------------------------------------------------------------
-    async def create(
+    async def create_session(
         self,
         sid: str,
         mode: str | None = None,
@@ -220,34 +183,34 @@ class ChatService:
         )
         return await self._adopt(session)
 
-    async def resume(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
+    async def resume_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
         self.start()
         session, restored = await self._session(sid, token, owner)
-        return self._info(session, token, restored)
+        return info(session, token, self.replica, restored)
 
-    async def get(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
+    async def get_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
         session, _ = await self._session(sid, token, owner)
         return detail(session, self.replica, dataclasses.asdict(self.engine.memory(session)))
 
-    async def export(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
+    async def export_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
         session, _ = await self._session(sid, token, owner)
         return export(session)
 
-    async def delete(self, sid: str, token: str | None, owner: str | None = None) -> None:
+    async def delete_session(self, sid: str, token: str | None, owner: str | None = None) -> None:
         session, _ = await self._session(sid, token, owner)
         if session.busy:
             raise SessionBusy("the session is generating; cancel it first")
-        self.engine.delete_session(sid, owner)  # also frees its tiers and the engine's Redis keys
+        self.engine.delete_session(sid)  # also frees its tiers and its KV in Redis
         self._forget(sid)
         if self.repository is not None:
             await self.repository.delete(sid)
 
-    async def cancel(self, sid: str, token: str | None, owner: str | None = None) -> bool:
+    async def cancel_turn(self, sid: str, token: str | None, owner: str | None = None) -> bool:
         session = self.engine.sessions.get(sid) if isinstance(sid, str) else None
         if session is None:
             raise refuse(sid)
         self.access.check(session, token, owner)
-        return self.engine.cancel(sid, owner)
+        return self.engine.cancel(sid)
 
     async def list_sessions(self, owner: str | None = None) -> list[dict[str, Any]]:
         held = self.engine.sessions.values()
@@ -256,9 +219,12 @@ class ChatService:
     async def health(self) -> dict[str, Any]:
         """Redis as this replica sees it (``{}`` without Redis), and how many sessions it has not saved."""
         unsaved = self.repository.unsaved if self.repository is not None else 0
-        return await redis_health(self.engine, self.store, unsaved)
+        return await redis_health(self.engine, unsaved)
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
+        return self.totals()
+
+    def totals(self) -> dict[str, Any]:
         return replica_totals(self.engine, self.replica)
 
     # --- turns ---------------------------------------------------------------------------------
@@ -270,60 +236,18 @@ class ChatService:
         sampling: dict[str, Any] | None = None,
         history: list[list[str]] | None = None,
         owner: str | None = None,
+        turn_key: str | None = None,
     ) -> AsyncIterator[TurnEvent]:
         """Stream one turn: ``TurnStarted`` (the turn was accepted, and where), ``Delta``s, then
-        ``Done``; or a single ``TurnFailed`` when the turn cannot start.
+        ``Done``; or a single ``TurnFailed`` when the turn cannot start (``app.session_turns``).
 
         ``history``, when given, is the [role, content] list the caller believes the session
         holds; a different history ends the call with ``history_mismatch`` before any work.
+        ``turn_key`` is the turn's idempotency key: a turn already finished under it is answered
+        from what the session kept, and does not run again.
         """
         self.start()
-        try:
-            session, _ = await self._session(sid, token, owner)
-            if history is not None and [[m["role"], m["content"]] for m in session.messages] != history:
-                raise HistoryMismatch("the messages do not continue this session's history")
-            if isinstance(content, str) and not is_unicode(content):
-                raise InvalidRequest("the message is not valid Unicode text (a lone surrogate)")
-            params = checked_sampling(sampling)
-            stream = await self.engine.chat(sid, content, params, owner)
-        except ChatError as exc:
-            yield TurnFailed.of(exc)
-            return
-        except Exception:  # a bug, not the client's fault; the session is unchanged (nothing started)
-            log.exception("turn of session %s could not start", sid)
-            yield TurnFailed("internal_error", "the turn could not start")
-            return
-        yield TurnStarted(session_id=sid, replica=self.replica)
-        done: TurnDone | None = None
-        try:
-            async for event in stream:
-                if isinstance(event, TextDelta):
-                    yield Delta(event.text)
-                else:
-                    done = event
-        except Exception as exc:  # the engine logged it; the session stays usable (cache rebuilt)
-            await self._persist(session)
-            yield TurnFailed("internal_error", f"the turn failed: {type(exc).__name__}")
-            return
-        except BaseException:
-            # Abandoned by the consumer: the engine ended the turn as cancelled; keep that state.
-            self._spawn(self._close_and_persist(stream, session))
-            raise
-        await self._persist(session)
-        yield self._done(session, done)
-
-    async def _close_and_persist(self, stream, session: Session) -> None:
-        with contextlib.suppress(Exception):
-            await stream.aclose()
-        await self._persist(session)
-
-    def _done(self, session: Session, done: TurnDone) -> Done:
-        return Done(
-            finish_reason=done.finish_reason,
-            usage=done.usage,
-            memory=done.memory,
-            replica=self.replica,
-            session_id=session.id,
-            ttft_ms=done.ttft_ms,
-            latency_ms=done.latency_ms,
-        )
+        turn = self.turns.run(sid, token, content, sampling, history, owner, turn_key)
+        async with contextlib.aclosing(turn) as events:  # a caller that leaves closes the turn now
+            async for event in events:
+                yield event

@@ -1,16 +1,19 @@
-"""A replica's sessions in Redis: compare-and-set saves of each session's record, and loads.
+"""A replica's sessions in Redis: one compare-and-set record per session, its saves and loads.
 
 With a ``SessionStore``, a session is saved after creation and after every turn, before the
 turn's ``done`` leaves, so whoever sees ``done`` can rely on another replica restoring that state.
+A save is two steps in this order: the engine writes the session's KV (``Engine.persist``: pages,
+then page tables and primary set) and hands back what it wrote; the record, with that in its
+``kv``, is then written once. A record thus never names KV that was not written before it.
+
 Each save names the version it read (``versions``): a replica holding a stale copy (another one took
 the session over meanwhile) fails its save and learns that its copy must not serve again. While
 Redis is unreachable turns go on in memory; the sessions whose save failed (``unsaved``) are
 saved again by the service's housekeeping until Redis takes them.
 
-A restore prefers the engine's own stored copy when it is the same conversation as the record: it
-brings a tiered session's KV back without re-prefilling; a copy that differs (a replica died
-between the two writes) or whose KV keys are gone is ignored in favour of the record, which the
-client's last ``done`` vouches for.
+A restore reads the record alone: the engine restores the cache from its ``kv`` at the session's
+next turn after checking that every page it names is still in Redis, and re-prefills the history
+otherwise (a replica that died mid-turn may have freed some).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class SessionRepository:
         # Store version each local session was last saved or loaded at; None = never saved, -1 = stale.
         self._versions: dict[str, int | None] = {}
         self._unsaved: set[str] = set()  # sessions whose latest state Redis does not have
-        self._save_lock = asyncio.Lock()
+        self._save_locks: dict[str, asyncio.Lock] = {}  # one save of a session at a time
 
     @property
     def unsaved(self) -> int:
@@ -51,6 +54,7 @@ class SessionRepository:
 
     def forget(self, sid: str) -> None:
         self._versions.pop(sid, None)
+        self._save_locks.pop(sid, None)
         self._unsaved.discard(sid)
 
     def stored(self, sid: str) -> bool:
@@ -58,10 +62,13 @@ class SessionRepository:
         return bool(self._versions.get(sid)) and sid not in self._unsaved
 
     async def save(self, session: Session, digest: str, quiet: bool = False) -> None:
-        """Write the session's record as the next version; on failure keep it in ``unsaved``."""
-        async with self._save_lock:
+        """Write the session's KV, then its record as the next version; on failure keep it in ``unsaved``."""
+        if session.busy:
+            return  # a turn started meanwhile: its end saves both together
+        async with self._save_locks.setdefault(session.id, asyncio.Lock()):
             expected = self._versions.get(session.id)
-            data, summ = record(session, digest), summary(session, self.replica)
+            kv = await self.engine.persist(session.id)
+            data, summ = record(session, digest, kv), summary(session, self.replica)
             try:
                 ok = await self.store.save(data, summ, expected)
                 if not ok and expected is not None and await self.store.version(session.id) is None:
@@ -120,25 +127,12 @@ class SessionRepository:
             raise StoreUnavailable("the session is not on this replica and Redis is unreachable") from None
 
     async def revive(self, sid: str, data: dict[str, Any], version: int) -> Session:
-        """Hold the session of a loaded record in the engine: its own stored copy when it matches."""
-        session = await self._engine_copy(sid, data) or restore(self.engine, data)
-        session.owner = data.get("owner")
+        """Hold the session of a loaded record in the engine (its KV comes back at its next turn)."""
+        session = restore(self.engine, data)
         self.track(sid, version)
-        log.info("restored session %s (v%d, %d tokens) on %s", sid, version, len(session.token_ids), self.replica)
+        log.info("restored session %s (v%d, %d tokens, %s) on %s", sid, version, len(session.token_ids),
+                 "with its KV" if data.get("kv") else "history only", self.replica)
         return session
-
-    async def _engine_copy(self, sid: str, data: dict[str, Any]) -> Session | None:
-        copy = self.engine.stored_copy(sid)
-        if not copy or copy.get("token_ids") != data["token_ids"] or len(copy.get("turns", [])) != len(data["turns"]):
-            return None
-        try:
-            complete = await self.store.exists_all(self.engine.stored_kv_keys(sid, copy))
-        except Exception:  # an unreadable record, or Redis gone again: do not trust the KV
-            complete = False
-        if not complete:
-            log.warning("session %s: stored KV incomplete (its replica died mid-turn); re-prefilling", sid)
-            return None
-        return self.engine.restore_stored(sid)
 
     async def delete(self, sid: str) -> None:
         await self.store.delete(sid)

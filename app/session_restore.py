@@ -1,8 +1,11 @@
-"""Sessions to and from plain data: store records, exports, and sessions seeded from a history.
+"""Sessions to and from plain data: store records, exports, sessions seeded from a history, and the
+checks of what a client sends (messages, sampling values).
 
 A session is rebuilt here from its public fields with ``cache=None`` and handed to the engine
-(``Engine.adopt``), whose next turn prefills the whole ``token_ids`` into a fresh cache. Nothing
-here touches tensors: what travels is messages, token ids and settings.
+(``Engine.adopt``), after every field has been checked (nothing is made and thrown away to
+validate). Its next turn restores the cache from the record's ``kv`` (what the cache's
+``persist()`` wrote to Redis) when there is one and every page it names is still there, else
+prefills the whole ``token_ids`` into a fresh cache. Nothing here touches tensors.
 """
 from __future__ import annotations
 
@@ -11,11 +14,14 @@ import time
 from typing import Any
 
 from app.engine.engine import Engine
-from app.engine.errors import InvalidRequest, MessageTooLarge
+from app.engine.errors import InvalidRequest, InvalidSamplingParams, MessageTooLarge
+from app.engine.sampling import SamplingParams
 from app.engine.session import Session, TurnStats
 from rocketkv_mt.config import RocketKVConfig
 
 ROLES = ("system", "user", "assistant")
+SAMPLING_FLOOR = 1e-6
+MAX_SEED = 2**63 - 1
 # Flags the engine keeps on messages; everything else a client sends along is dropped.
 _MESSAGE_FLAGS = ("closed", "cancelled", "error")
 
@@ -27,6 +33,17 @@ def is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def checked_sampling(sampling: dict[str, Any] | None) -> SamplingParams:
+    """``SamplingParams`` plus the bounds the sampler itself needs (found by fuzzing: smaller values
+    become 0 in float32, or push the logits to inf, and the turn fails)."""
+    params = SamplingParams.parse(**(sampling or {}))
+    if 0 < params.temperature < SAMPLING_FLOOR or params.top_p < SAMPLING_FLOOR:
+        raise InvalidSamplingParams(f"temperature (when not 0) and top_p must be at least {SAMPLING_FLOOR:g}")
+    if params.seed is not None and params.seed > MAX_SEED:
+        raise InvalidSamplingParams(f"seed must be at most {MAX_SEED} (torch seeds are 64-bit)")
+    return params
 
 
 def clean_messages(messages: list[Any]) -> list[dict[str, Any]]:
@@ -138,6 +155,18 @@ def summary(session: Session, replica: str | None) -> dict[str, Any]:
     }
 
 
+def info(session: Session, token: str | None, replica: str, restored: bool = False) -> dict[str, Any]:
+    """A session as its creator or resumer is told: id, token, mode, budget, and where it is."""
+    return {
+        "session_id": session.id,
+        "token": token,
+        "mode": session.mode,
+        "budget": budget_of(session),
+        "replica": replica,
+        "restored": restored,
+    }
+
+
 def detail(session: Session, replica: str | None, memory: dict[str, Any]) -> dict[str, Any]:
     """A session as ``GET /v1/sessions/{id}`` shows it: summary, messages, token counts, memory, turns."""
     cache = session.cache
@@ -159,8 +188,9 @@ def detail(session: Session, replica: str | None, memory: dict[str, Any]) -> dic
     }
 
 
-def record(session: Session, digest: str) -> dict[str, Any]:
-    """Everything needed to restore the session elsewhere (the store's ``data``)."""
+def record(session: Session, digest: str, kv: dict[str, Any] | None) -> dict[str, Any]:
+    """Everything needed to restore the session elsewhere (the store's ``data``); ``kv`` is what
+    ``Engine.persist`` wrote for it just before."""
     return {
         "id": session.id,
         "mode": session.mode,
@@ -172,11 +202,17 @@ def record(session: Session, digest: str) -> dict[str, Any]:
         "turns": [dataclasses.asdict(t) for t in session.turns],
         "created_at": session.created_at,
         "saved_at": time.time(),
+        "last_turn": session.last_turn,
+        "kv": kv,
     }
 
 
 def restore(engine: Engine, data: dict[str, Any]) -> Session:
-    return seed_session(
+    """The session of a stored record, held by ``engine``; its KV comes back at its next turn."""
+    kv, last_turn = data.get("kv"), data.get("last_turn")
+    if not isinstance(kv, (dict, type(None))) or not isinstance(last_turn, (dict, type(None))):
+        raise InvalidRequest("the stored record is not one this server wrote")
+    session = seed_session(
         engine,
         data["id"],
         mode=data["mode"],
@@ -188,6 +224,8 @@ def restore(engine: Engine, data: dict[str, Any]) -> Session:
         created_at=data.get("created_at"),
         owner=data.get("owner"),
     )
+    session.parked_kv, session.last_turn = kv, last_turn
+    return session
 
 
 def export(session: Session) -> dict[str, Any]:

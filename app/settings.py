@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The names of ``rocketkv_mt.cache.CACHE_MODES`` (a test keeps them equal), spelled out so that reading
+# the settings imports no torch.
 CacheMode = Literal["full", "snapkv", "rocketkv", "rocketkv-mt", "tiered"]
 BUNDLED_MODEL = "bundled:smollm2-135m"
 

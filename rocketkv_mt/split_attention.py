@@ -24,19 +24,20 @@ ROWS = 1024
 class Part:
     out: torch.Tensor  # (Hq, n, d) fp32, normalised over this part's keys (0 where it has none)
     lse: torch.Tensor  # (Hq, n) fp32 log-sum-exp of this part's logits (-inf where it has none)
-    window_probs: torch.Tensor  # (Hkv, g, w, T) fp32 exp(logit - window_top) of the window rows (0 where hidden)
-    window_top: torch.Tensor  # (Hkv, g, w, 1) fp32 the shift of those rows
+    window_probs: torch.Tensor | None  # (Hkv, g, w, T) fp32 exp(logit - window_top) of the window rows (0 where hidden)
+    window_top: torch.Tensor | None  # (Hkv, g, w, 1) fp32 the shift of those rows (None: no window rows here)
 
 
 def attend_part(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, w: int,
-    own_tail: int = 0, visible: torch.Tensor | None = None,
+    own_tail: int = 0, visible: torch.Tensor | None = None, first_row: int = 0,
 ) -> Part:
     """Attention of q (Hq, n, d) over one part's keys/values (Hkv, T, d).
 
-    The last ``own_tail`` keys (== n when given) are the queries' own tokens: query i sees tail key
-    k only for k <= i. Every other key is in every query's past. Slots where ``visible`` (Hkv, T) is
-    False hold no token."""
+    The last ``own_tail`` keys are the turn's own tokens and q holds the turn's rows ``first_row``
+    .. ``first_row + n - 1`` (all of them by default, own_tail == n): row i sees tail key k only for
+    k <= i. Every other key is in every query's past. Slots where ``visible`` (Hkv, T) is False hold
+    no token. The last ``w`` rows of q are window rows (w = 0: none)."""
     hq, n, d = q.shape
     hkv, t, _ = keys.shape
     g = hq // hkv
@@ -50,7 +51,8 @@ def attend_part(
         r = stop - start
         logits = torch.matmul(q[:, start:stop].reshape(hkv, g * r, d).float(), kf).mul_(scaling).view(hkv, g, r, t)
         if own_tail:
-            causal = torch.arange(own_tail, device=q.device).view(1, -1) > torch.arange(start, stop, device=q.device).view(-1, 1)
+            rows = torch.arange(first_row + start, first_row + stop, device=q.device).view(-1, 1)
+            causal = torch.arange(own_tail, device=q.device).view(1, -1) > rows
             logits[..., t - own_tail :].masked_fill_(causal, float("-inf"))
         if hidden_cols is not None:
             logits.masked_fill_(hidden_cols, float("-inf"))
@@ -61,11 +63,18 @@ def attend_part(
         o = torch.matmul(probs.view(hkv, g * r, t), vf).view(hkv, g, r, d) / total.clamp_min(1e-30)
         out[:, start:stop] = o.reshape(hq, r, d)
         lse[:, start:stop] = (top + torch.log(total)).reshape(hq, r)
-        if stop > n - w:  # the window rows are the last w: keep their shifted exponentials
+        if w and stop > n - w:  # the window rows are the last w: keep their shifted exponentials
             first = max(start, n - w) - start
             rows = (probs[:, :, first:], top[:, :, first:])
             window = rows if window is None else tuple(torch.cat([a, b], dim=2) for a, b in zip(window, rows))
-    return Part(out, lse, *window)
+    return Part(out, lse, *(window or (None, None)))
+
+
+def join_rows(first: Part, then: Part) -> Part:
+    """One part from two computed over consecutive row ranges of the same keys (``then`` holds the
+    window rows)."""
+    return Part(torch.cat([first.out, then.out], dim=1), torch.cat([first.lse, then.lse], dim=1),
+                then.window_probs, then.window_top)
 
 
 def merge(parts: list[Part], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ class ServerThread:
     @property
     def service(self):
         """The in-process ``ChatService`` behind the app (for checks a client cannot make)."""
-        return self.server.config.app.state.backend.service
+        return self.server.config.app.state.service.transport.service
 
     def __enter__(self) -> "ServerThread":
         self.thread.start()

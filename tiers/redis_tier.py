@@ -1,21 +1,21 @@
 """Redis tier: raw tensor bytes plus a JSON header per key (never pickle), namespaced, with an idle TTL.
 
-The client is redis-py's asyncio client, driven from a private event-loop thread, so the tier can be
-used from the model thread (blocking calls with a timeout) and from async code alike. Failures are
-counted and reported (``healthy``/``last_error``); they are never raised into a chat turn.
+Keys are ``{ns}:session:{id}:kv:{page}``, next to the session's record ``{ns}:session:{id}``
+(``app.session_store``). The tier speaks through the process's one ``RedisClient``, blocking the
+model thread for each call (with a timeout). Failures are counted and reported
+(``healthy``/``last_error``); they are never raised into a chat turn.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import threading
 from collections.abc import Coroutine
 from typing import Any
 
 import torch
 
 from tiers.base import PageBatch, TierStats
+from tiers.redis_client import RedisClient
 
 log = logging.getLogger(__name__)
 _DTYPES = {
@@ -54,46 +54,38 @@ def decode_tensors(header: bytes, data: bytes) -> tuple[dict[str, torch.Tensor],
 
 
 class RedisTier:
-    def __init__(self, url: str, namespace: str = "rkv", ttl_s: int = 86400, timeout_s: float = 2.0):
-        import redis.asyncio as aioredis
-
-        self.url, self.ns, self.ttl_s, self.timeout_s = url, namespace, ttl_s, timeout_s
+    def __init__(self, client: RedisClient, namespace: str = "rkv", ttl_s: int = 86400):
+        self.client = client
+        self.ns, self.ttl_s = namespace, ttl_s
         self.stats = TierStats()
-        self.healthy = True
-        self.last_error: str | None = None
         self._sizes: dict[str, int] = {}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rkv-redis", daemon=True)
-        self._thread.start()
-        self._client = aioredis.Redis.from_url(
-            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, decode_responses=False
-        )
+        self._client = client.redis
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the last call through this process's Redis connection succeeded."""
+        return self.client.healthy
+
+    @property
+    def last_error(self) -> str | None:
+        return self.client.last_error
 
     # --- keys --------------------------------------------------------------------------------
     def chunk_key(self, session_id: str, chunk_id: str) -> str:
         return f"{self.ns}:session:{session_id}:kv:{chunk_id}"
 
-    def meta_key(self, session_id: str) -> str:
-        return f"{self.ns}:session:{session_id}:meta"
-
     # --- plumbing ----------------------------------------------------------------------------
     def _run(self, coro: Coroutine[Any, Any, Any], default=None):
-        """Run on the tier's loop and wait; on failure record it and return ``default``."""
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        """Run on the client's loop and wait; on failure count it and return ``default``."""
         try:
-            result = fut.result(self.timeout_s * 3)
-        except Exception as exc:  # noqa: BLE001 - any Redis failure degrades the tier, never the turn
-            fut.cancel()
+            return self.client.run(coro)
+        except Exception:  # noqa: BLE001 - any Redis failure degrades the tier, never the turn
             self.stats.errors += 1
-            self.healthy = False
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            log.warning("redis tier error: %s", self.last_error)
+            log.warning("redis tier error: %s", self.client.last_error)
             return default
-        self.healthy = True
-        return result
 
     def ping(self) -> bool:
-        return bool(self._run(self._client.ping(), default=False))
+        return self.client.ping()
 
     # --- tensors -----------------------------------------------------------------------------
     def put_pages(self, session_id: str, pages: dict[str, PageBatch]) -> bool:
@@ -171,31 +163,23 @@ class RedisTier:
                 self.stats.bytes -= self._sizes.pop(key)
                 self.stats.entries -= 1
 
-    # --- session metadata --------------------------------------------------------------------
-    def put_meta(self, session_id: str, meta: dict) -> bool:
-        key = self.meta_key(session_id)
-        return bool(self._run(self._client.set(key, json.dumps(meta).encode(), ex=self.ttl_s), default=False))
-
-    def get_meta(self, session_id: str) -> dict | None:
-        raw = self._run(self._client.get(self.meta_key(session_id)), default=None)
-        return json.loads(raw) if raw else None
-
+    # --- sessions ----------------------------------------------------------------------------
     def delete_session(self, session_id: str) -> None:
         async def op():
-            keys = [k async for k in self._client.scan_iter(match=f"{self.ns}:session:{session_id}:*")]
+            keys = [k async for k in self._client.scan_iter(match=f"{self.ns}:session:{session_id}:kv:*")]
             if keys:
                 await self._client.delete(*keys)
 
         self._run(op())
-        prefix = f"{self.ns}:session:{session_id}:"
+        prefix = f"{self.ns}:session:{session_id}:kv:"
         for key in [k for k in self._sizes if k.startswith(prefix)]:
             self.stats.bytes -= self._sizes.pop(key)
             self.stats.entries -= 1
 
     def session_bytes(self, session_id: str) -> int:
-        prefix = f"{self.ns}:session:{session_id}:"
+        prefix = f"{self.ns}:session:{session_id}:kv:"
         return sum(n for k, n in self._sizes.items() if k.startswith(prefix))
 
     def close(self) -> None:
-        self._run(self._client.aclose())
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        """Close the tier's connection; the session records share it, so this comes last."""
+        self.client.close()

@@ -1,4 +1,5 @@
-"""What the chat service promises whoever calls it: session ids, turn events and error codes.
+"""What the chat service promises whoever calls it: session ids, turn events, error codes, and the
+service's interface itself (``app.contract.service.SessionService``).
 
 This is the seam between ``app`` (service, engine) and ``api`` (HTTP, WebSocket, OpenAI, Ray):
 the service yields the events and raises the errors defined here, as plain data that can cross a
@@ -7,7 +8,7 @@ here knows about HTTP, JSON schemas or Ray.
 """
 from app.contract.errors import ChatError
 from app.contract.events import Delta, Done, MemoryStats, TurnEvent, TurnFailed, TurnStarted, Usage
-from app.contract.ids import is_session_id, new_session_id, new_session_token
+from app.contract.ids import is_session_id, new_session_id, new_session_token, new_turn_key
 
 __all__ = [
     "ChatError",
@@ -21,4 +22,5 @@ __all__ = [
     "is_session_id",
     "new_session_id",
     "new_session_token",
+    "new_turn_key",
 ]

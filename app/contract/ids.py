@@ -27,3 +27,9 @@ def is_session_id(value: Any) -> bool:
 def new_session_token() -> str:
     """A session's secret (192 bits); only its digest is stored."""
     return secrets.token_urlsafe(24)
+
+
+def new_turn_key() -> str:
+    """An idempotency key for a turn whose caller gave none (96 random bits): every attempt of one
+    request carries it, so a retry cannot run the turn twice (``app.session_turns``)."""
+    return "t_" + secrets.token_urlsafe(12)

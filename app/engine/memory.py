@@ -6,33 +6,30 @@ them. A turn is admitted only when the caches of all sessions, each at its curre
 generating, at the bound reserved for its turn, fit in the budget with this turn's bound; the
 engine parks idle sessions to make room, or refuses the turn. The bound (``turn_bound``) is an
 upper bound of the session's ``device_bytes()`` at every step of the turn, plus the per-layer
-scratch its prefill needs (history keys and values streamed in for one layer at a time).
-A prefill fed in chunks holds more than that while it is fed (``chunking``); the batcher feeds one
-prefill in chunks at a time, so only the largest of these extras is committed.
+scratch its prefill needs (history keys and values streamed in for one layer at a time); each
+mode declares its own (``rocketkv_mt.cache.CacheMode.device_bound``), so nothing here knows a mode.
+A prefill fed in chunks holds more than that while it is fed (its new tokens sit in every layer
+until the last chunk compresses them): the difference is the turn's ``chunking`` extra; the
+batcher feeds one prefill in chunks at a time, so only the largest of these extras is committed.
 Actual totals are taken after every model step (``observe``); ``overruns`` counts sessions found
 above their reservation (a bound that does not hold; expected to stay 0).
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from rocketkv_mt.cache import CacheSpec
-from rocketkv_mt.cold_select import pages_per_head
+from rocketkv_mt.cache import CacheSpec, TierPolicy, TurnSize, cache_mode
 
 if TYPE_CHECKING:
     from app.engine.session import Session
 
-HSA_MODES = ("rocketkv", "rocketkv-mt", "tiered")
-
 
 class DeviceMemory:
-    def __init__(self, budget: int, spec: CacheSpec, digest_candidates: float | None = None, page_tokens: int = 32):
+    def __init__(self, budget: int, spec: CacheSpec, tiers: TierPolicy | None = None):
         self.budget = int(budget or 0)  # 0: unlimited (still accounted)
-        # Tiered turns read back every cold page (None) or this fraction of the prompt budget's worth.
-        self.digest_candidates, self.page_tokens = digest_candidates, page_tokens
+        self.tiers = tiers or TierPolicy()  # how tiered turns read cold pages back (their bound counts them)
         elem = torch.empty((), dtype=spec.dtype).element_size()
         self.per_layer_token = spec.num_kv_heads * spec.head_dim * 2 * elem  # K and V of one token, one layer
         self.per_token = self.per_layer_token * spec.num_layers
@@ -47,54 +44,33 @@ class DeviceMemory:
         self.overruns = 0
 
     # --- bounds --------------------------------------------------------------------------------
-    def turn_bound(self, session: "Session", n_new: int, max_new: int, prefill_chunk: int = 0) -> int:
-        """Upper bound of the session's device bytes while a turn that adds ``n_new`` tokens to its
-        history (not yet in ``session.token_ids``) and generates up to ``max_new`` runs, its prefill
-        split into chunks of ``prefill_chunk`` tokens (0: never split)."""
+    def turn_size(self, session: "Session", n_new: int, max_new: int, prefill_chunk: int = 0) -> TurnSize:
+        """The sizes of a turn that adds ``n_new`` tokens to the session's history (not yet in
+        ``session.token_ids``) and generates up to ``max_new``, its prefill split into chunks of
+        ``prefill_chunk`` tokens (0: never split)."""
         cache = session.cache
         if cache is not None:
-            fed, kept, held = cache.history_len, cache.kept_tokens(), cache.device_bytes()
+            fed, kept = cache.history_len, cache.kept_tokens()
         elif session.parked_kv is not None:  # restored from its record at the turn's start
             fed = int(session.parked_kv.get("history_len", 0))
             kept = session.turns[-1].kept_tokens if session.turns else fed
-            held = 0
         else:  # rebuilt from the token ids: the whole history is prefilled
-            fed, kept, held = 0, 0, 0
+            fed, kept = 0, 0
         n = len(session.token_ids) + n_new - fed  # tokens this turn's prefill feeds
         total = fed + n + max_new
         m = max(0, min(max_new, total - 1))
-        split = session.rocket.split(total, m, self.head_dim)
-        pb, page = split.prompt_budget, split.page_size
-        pt, lt = self.per_token, self.per_layer_token
-        # The new tokens sit uncompressed in one layer at a time until its prefill compresses it; in
-        # every layer at once when the prefill is chunked (compression waits for its last chunk).
-        chunked = 0 < prefill_chunk < n
-        spread = pt if chunked else lt
-        mode = session.mode
-        if mode == "full":
-            bound = pt * total
-        elif mode == "rocketkv-mt":
-            sparse = max(pb, kept) + m  # the per-turn selection (the old one is replaced layer by layer)
-            bound = pt * total + pt * sparse + pt * (math.ceil(sparse / page) + 2) + lt * 2 * (fed + n)
-        else:
-            # snapkv, rocketkv, tiered: a layer holds its kept tokens plus the new ones only until its
-            # own prefill compresses it; afterwards at most the prompt budget, then the decode tokens.
-            kept_after = max(pb, kept) + m
-            bound = pt * kept_after + spread * n
-            if chunked:  # and the old KT pages of the layers not compressed yet
-                bound += max(0, held - pt * kept)
-            if mode in HSA_MODES:
-                bound += pt * (math.ceil(kept_after / page) + 2)
-            if mode == "tiered":
-                if self.digest_candidates is None:
-                    # Every cold page of one layer read back to score (keys and values), layer by layer.
-                    bound += lt * 2 * (fed + n)
-                else:
-                    # The pages read back for every layer, held until its first decode step settles
-                    # the selection, plus one layer's digests and attention scratch.
-                    pages = pages_per_head(self.digest_candidates, pb, self.page_tokens)
-                    bound += pt * min(fed, pages * self.page_tokens) + lt * 2 * (math.ceil(fed / self.page_tokens) + n)
-        return max(bound, held + spread * n)
+        return TurnSize(
+            fed=fed, kept=kept, new=n, total=total, decode=m, split=session.rocket.split(total, m, self.head_dim),
+            token_bytes=self.per_token, layer_bytes=self.per_layer_token, chunked=0 < prefill_chunk < n,
+        )
+
+    def turn_bound(self, session: "Session", n_new: int, max_new: int, prefill_chunk: int = 0) -> int:
+        """Upper bound of the session's device bytes while that turn runs: its mode's bound, and never
+        less than what the session holds plus the new tokens not compressed yet (one layer of them, or
+        every layer while a chunked prefill is fed)."""
+        turn = self.turn_size(session, n_new, max_new, prefill_chunk)
+        held = session.cache.device_bytes() if session.cache is not None else 0
+        return max(cache_mode(session.mode).device_bound(turn, self.tiers), held + turn.uncompressed_bytes)
 
     # --- accounting ----------------------------------------------------------------------------
     def committed(self, session_ids: Iterable[str], exclude: str | None = None, chunking: int = 0) -> int:

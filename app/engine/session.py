@@ -22,6 +22,16 @@ class TurnStats:
 
 
 @dataclass
+class Feed:
+    """What one turn fed the cache: a prefill of ``prefill`` tokens (split for ``max_new``), then
+    ``decodes`` decode steps (``app.engine.replay``)."""
+
+    prefill: int
+    max_new: int
+    decodes: int = 0
+
+
+@dataclass
 class Session:
     """One conversation.
 
@@ -41,6 +51,12 @@ class Session:
     # A parked session (its cache dropped from the device to make room): the record its cache's
     # ``persist()`` wrote, restored at its next turn; None with no cache means re-prefill the history.
     parked_kv: dict | None = None
+    # What the current cache was fed since it was created, turn by turn (an exact rebuild replays it).
+    feeds: list[Feed] = field(default_factory=list)
+    # The last finished turn as its caller's retry gets it back ({"key", "text", "finish_reason",
+    # "usage", "ttft_ms", "latency_ms", "replica"}): a turn sent again under the same idempotency key
+    # is answered from here instead of running twice (``app.session_turns``). Kept for the service.
+    last_turn: dict | None = None
     busy: bool = False
     cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rocketkv_mt.attention_ops import positional_attention
-from rocketkv_mt.split_attention import ROWS, attend_part, merge, window_probs
+from rocketkv_mt.split_attention import ROWS, attend_part, join_rows, merge, window_probs
 
 
 def union_reference(q, parts_k, parts_v, parts_pos, parts_alive, history, scaling):
@@ -58,3 +58,22 @@ def test_long_turns_pass_in_row_blocks_and_keep_only_the_window_rows():
     hidden = pos.unsqueeze(1) > torch.arange(100 + n - w, 100 + n).repeat(g).view(1, -1, 1)
     ref_probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), -1).sum(1)
     assert torch.allclose(window_probs(part, lse), ref_probs, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,w", [(40, 8), (ROWS + 9, 32), (8, 8)])
+def test_window_rows_first_then_the_rest_equal_one_pass(n, w):
+    """A tiered turn attends with its window rows first (to rank the cold pages and start reading
+    them) and with the other rows while the read runs: the joined part is the one-pass part."""
+    torch.manual_seed(n)
+    hkv, g, d = 2, 2, 8
+    q = torch.randn(hkv * g, n, d)
+    k, v = torch.randn(hkv, n + 11, d), torch.randn(hkv, n + 11, d)
+    whole = attend_part(q, k, v, 0.25, w, own_tail=n)
+    window = attend_part(q[:, n - w :], k, v, 0.25, w, own_tail=n, first_row=n - w)
+    assert window.lse.shape == (hkv * g, w)
+    if n > w:
+        rest = attend_part(q[:, : n - w], k, v, 0.25, 0, own_tail=n)
+        assert rest.window_probs is None and rest.window_top is None
+        window = join_rows(rest, window)
+    assert torch.allclose(window.out, whole.out, atol=1e-6) and torch.allclose(window.lse, whole.lse, atol=1e-5)
+    assert torch.allclose(window_probs(window, window.lse), window_probs(whole, whole.lse), atol=1e-6)

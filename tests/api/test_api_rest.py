@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import WsChat, local_server
 
-from api.backend import LocalBackend
 from api.routes import create_app
-from app.chat_service import ChatService
 from api.server import with_stats_route
+from api.service_client import LocalTransport, ServiceClient
+from app.chat_service import ChatService
 from tiers.base import TierStats
 from tiers.host import HostTier
 
@@ -183,7 +183,8 @@ def test_tier_and_turn_traffic_in_stats_and_metrics():
     host.read_many("s", ["a", "c"])
     host.stats.spills = 2
     redis_stats = TierStats(bytes_read=700, bytes_written=900, promotions=1, demotions=4)
-    app = with_stats_route(create_app(LocalBackend(ChatService(TrafficEngine(host, redis_stats), "fake"), "none")))
+    service = ChatService(TrafficEngine(host, redis_stats), "fake")
+    app = with_stats_route(create_app(ServiceClient(LocalTransport(service), "none", service.replica)))
     memory = {"cold_bytes_read": 512, "redis_bytes_read": 256, "digest_bytes_read": 64, "bytes_demoted": 1024,
               "redis_bytes_written": 2048, "readmitted_tokens": 3}
     done = {"type": "done", "finish_reason": "stop", "memory": memory,

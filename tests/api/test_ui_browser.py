@@ -17,7 +17,6 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from api.backend import Backend
 from api.routes import create_app
 from api.ui import STATIC_DIR
 
@@ -25,22 +24,22 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 
 
-class IdleBackend(Backend):
-    """Enough of a backend for routes that never reach it."""
+class IdleService:
+    """Enough of a session service for routes that never reach it."""
 
     kind = "idle"
     replica = "idle-replica"
     model_name = "none"
 
-    def _none(self, *args, **kwargs):
-        raise NotImplementedError
+    async def start(self) -> None:
+        pass
 
-    create_session = import_session = resume = get_session = export_session = _none
-    delete_session = cancel = list_sessions = chat = stats = _none
+    async def close(self) -> None:
+        pass
 
 
 def test_page_and_assets_are_served_without_external_urls():
-    with TestClient(create_app(IdleBackend())) as client:
+    with TestClient(create_app(IdleService())) as client:
         page = client.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'id="new-session"' in page.text and 'src="static/app.js"' in page.text

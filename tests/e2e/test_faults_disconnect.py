@@ -37,7 +37,7 @@ async def test_generation_stops_within_one_decode_step(make_engine, how):
     from app.contract.ids import new_session_id
 
     service = ChatService(make_engine(), replica_id="t")
-    info = await service.create(new_session_id(), mode="full")
+    info = await service.create_session(new_session_id(), mode="full")
     sid, token = info["session_id"], info["token"]
     session = service.engine.sessions[sid]
     events = service.chat(sid, token, STORY, {"max_tokens": 200})
@@ -45,7 +45,7 @@ async def test_generation_stops_within_one_decode_step(make_engine, how):
     deltas = [(await anext(events)).text for _ in range(3)]
     at_stop = len(session.token_ids)  # history + the tokens generated so far
     if how == "cancel":
-        assert await service.cancel(sid, token) is True
+        assert await service.cancel_turn(sid, token) is True
         rest = [e async for e in events]
         assert {e.type for e in rest[:-1]} <= {"delta"} and rest[-1].type == "done"
         deltas += [e.text for e in rest[:-1]]  # at most the detokenizer's held-back tail

@@ -16,6 +16,7 @@ import torch
 from serving_helpers import RedisServer, WsChat, local_server, session_detail, turn_until_done
 
 from tiers.host import HostTier
+from tiers.redis_client import RedisClient
 from tiers.redis_tier import RedisTier
 
 
@@ -98,7 +99,7 @@ def _page(seed: int, p: int = 8, d: int = 16) -> dict[str, torch.Tensor]:
 def test_the_host_tier_overflows_while_redis_is_down_and_spills_again_after(tmp_path):
     """Spilling resumes: pages pushed while Redis is down stay in host memory (over the bound), none lost."""
     with RedisServer(tmp_path) as redis_server:
-        tier = RedisTier(redis_server.url, namespace=f"rkv-spill-{uuid.uuid4().hex[:6]}", timeout_s=0.5)
+        tier = RedisTier(RedisClient(redis_server.url, timeout_s=0.5), namespace=f"rkv-spill-{uuid.uuid4().hex[:6]}")
         host = HostTier(capacity_bytes=2 * 2 * 8 * 16 * 4, redis=tier)
         try:
             pages = {i: _page(i) for i in range(8)}

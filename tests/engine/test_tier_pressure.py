@@ -8,6 +8,7 @@ import secrets
 
 import pytest
 
+from app.engine.replay import replayable
 from app.engine.sampling import SamplingParams
 from bench.haystack import hide
 from serving_helpers import RedisServer
@@ -37,7 +38,9 @@ async def test_a_host_tier_smaller_than_one_layers_cold_history_changes_no_reply
     assert history >= 4000
     one_layer_cold = (history - roomy.cache.kept_tokens()) * 3 * 64 * 2 * 4
     assert TIGHT < one_layer_cold
-    assert roomy.cache.tiers.host.overflow_slots == 0
+    assert roomy.cache.prefill.tiers.host.overflow_slots == 0
+    # The session's log accounts for every token its cache was fed: one feed per turn.
+    assert len(roomy.feeds) == 3 and replayable(roomy.feeds, roomy.cache.history_len)
 
     with RedisServer(tmp_path) as redis_server:
         engine = make_engine(redis_url=redis_server.url, redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
@@ -50,15 +53,14 @@ async def test_a_host_tier_smaller_than_one_layers_cold_history_changes_no_reply
         engine.delete_session(tight.id)
 
         # Redis stops after the first turn. The pages only Redis held are gone with it, so the next turn
-        # re-prefills its history from the token ids (the same turn, no error); from then on pages no
-        # longer spill: the host tier grows past its bound instead of losing one.
+        # rebuilds the cache by feeding the earlier turns again as they were fed (the same turn, no
+        # error), and the replies stay the same; from then on pages no longer spill: the host tier
+        # grows past its bound instead of losing one.
         engine = make_engine(redis_url=redis_server.url, redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
                              host_tier_bytes=TIGHT)
-        engine.redis.timeout_s = 0.3
+        engine.redis.client.timeout_s = 0.3
         outage, dones = await run(engine, stop_after_first=redis_server.stop)
-        first_reply = len(roomy.token_ids) - sum(d.usage.prefilled_tokens for d in roomy_done[1:]) - sum(
-            d.usage.generated_tokens for d in roomy_done[1:])
-        assert outage.token_ids[:first_reply] == roomy.token_ids[:first_reply]
+        assert outage.token_ids == roomy.token_ids
         assert dones[1].usage.prefilled_tokens > history and dones[2].usage.prefilled_tokens < 40
         assert all(d.usage.generated_tokens > 0 for d in dones)
         assert engine.host_tier.overflow_slots > 0 and not engine.redis.healthy

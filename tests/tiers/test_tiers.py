@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tiers.host import HostTier
+from tiers.redis_client import RedisClient
 from tiers.redis_tier import RedisTier, decode_tensors, encode_tensors
 
 DEAD_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1: every call fails fast
@@ -12,7 +13,7 @@ DEAD_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1: every call fail
 
 @pytest.fixture
 def redis_tier(redis_url):
-    tier = RedisTier(redis_url, namespace=f"rkvtest-{secrets.token_hex(4)}", ttl_s=600)
+    tier = RedisTier(RedisClient(redis_url), namespace=f"rkvtest-{secrets.token_hex(4)}", ttl_s=600)
     yield tier
     tier.delete_session("s1")
     tier.delete_session("s2")
@@ -73,11 +74,10 @@ def test_redis_chunk_round_trip_bit_exact(redis_tier, dtype):
 def test_redis_keys_are_namespaced_with_ttl(redis_tier, redis_url):
     import redis
 
-    redis_tier.put_pages("s1", {"c1": make_page(2)})
-    redis_tier.put_meta("s1", {"messages": []})
+    redis_tier.put_pages("s1", {"c1": make_page(2), "c2": make_page(3)})
     client = redis.Redis.from_url(redis_url)
     keys = sorted(k.decode() for k in client.scan_iter(match=f"{redis_tier.ns}:*"))
-    assert keys == [f"{redis_tier.ns}:session:s1:kv:c1", f"{redis_tier.ns}:session:s1:meta"]
+    assert keys == [f"{redis_tier.ns}:session:s1:kv:c1", f"{redis_tier.ns}:session:s1:kv:c2"]
     assert all(0 < client.ttl(k) <= 600 for k in keys)
     redis_tier.delete_session("s1")
     assert list(client.scan_iter(match=f"{redis_tier.ns}:*")) == []
@@ -117,7 +117,7 @@ def test_a_read_larger_than_the_host_tier_returns_every_page_intact(redis_tier):
 
 
 def test_redis_down_host_keeps_working_and_reports():
-    dead = RedisTier(DEAD_URL, namespace="rkvtest-dead", timeout_s=0.3)
+    dead = RedisTier(RedisClient(DEAD_URL, timeout_s=0.3), namespace="rkvtest-dead")
     try:
         assert dead.put_pages("s", {"c": make_page(3)}) is False
         assert dead.healthy is False and dead.stats.errors >= 1 and dead.last_error

@@ -1,0 +1,140 @@
+"""Which sessions' caches are on the device: a turn is admitted within the device budget (parking idle
+sessions to make room, or refused), a parked cache's KV goes to Redis where its mode keeps it there,
+and a session without a cache gets one back (restored from its stored KV, or empty to re-prefill).
+
+A mixin of ``Engine`` (``app.engine.engine``): it works on the engine's own state, named below, and
+its ``_*_job`` methods run on the model thread (``Batcher``), between batched steps.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from app.engine.batcher import Batcher
+from app.engine.errors import DeviceMemoryExhausted
+from app.engine.memory import DeviceMemory
+from app.engine.session import Session
+from app.settings import Settings
+from rocketkv_mt.cache import SessionCache
+from rocketkv_mt.config import RocketKVConfig
+from tiers.redis_tier import RedisTier
+
+log = logging.getLogger(__name__)
+
+
+class DeviceResidency:
+    # The engine's state this works on (set by ``Engine.__init__``).
+    settings: Settings
+    _sessions: dict[str, Session]
+    memory_account: DeviceMemory
+    batcher: Batcher
+    redis: RedisTier | None
+    parking: bool  # make room for a turn by parking idle sessions (else refuse it)
+    new_cache: Callable[[str, RocketKVConfig, str], SessionCache]
+
+    def _admit(self, session: Session, n_new: int, max_new: int) -> None:
+        """Reserve device memory for a turn, parking idle sessions if needed, or refuse it."""
+        mem = self.memory_account
+        need = mem.turn_bound(session, n_new, max_new)
+        # What a chunked prefill holds beyond that until its last chunk (only the largest is committed:
+        # the batcher feeds one prefill in chunks at a time).
+        extra = mem.turn_bound(session, n_new, max_new, prefill_chunk=self.settings.prefill_chunk) - need
+        if mem.budget:
+            committed = mem.committed(self._sessions, exclude=session.id, chunking=extra)
+            victims: list[Session] = []
+            if committed + need > mem.budget and self.parking:
+                idle = sorted(
+                    (s for s in self._sessions.values()
+                     if s is not session and not s.busy and s.cache is not None and mem.held.get(s.id, 0) > 0),
+                    key=lambda s: s.last_used,
+                )
+                freed = 0
+                for victim in idle:
+                    if committed - freed + need <= mem.budget:
+                        break
+                    victims.append(victim)
+                    freed += mem.held.get(victim.id, 0)
+                committed -= freed
+            if committed + need > mem.budget:
+                mem.refusals += 1
+                raise DeviceMemoryExhausted(
+                    f"this turn needs up to {need} bytes of device memory and {committed} of the replica's "
+                    f"{mem.budget} are held by sessions that cannot be parked now; retry later or send less"
+                )
+            for victim in victims:
+                self._park(victim)
+        mem.reserved[session.id], mem.chunking[session.id] = need, extra
+
+    def _park(self, session: Session) -> None:
+        """Take an idle session's cache off the device; its next turn restores it (or re-prefills)."""
+        cache, session.cache = session.cache, None
+        session.parked_kv = None
+        self.memory_account.set_held(session.id, 0)
+        self.memory_account.parks += 1
+        self.batcher.submit(lambda: self._park_job(session, cache))
+
+    def _park_job(self, session: Session, cache: SessionCache) -> None:
+        """Model thread: write the parked cache's KV to Redis where its mode can; else free its tiers."""
+        state = None
+        try:
+            state = cache.persist() if self.redis is not None else None
+        except Exception:  # noqa: BLE001 - parking falls back to a re-prefill
+            log.warning("session %s: could not persist its KV for parking", session.id, exc_info=True)
+        if state is None:
+            cache.release()
+        if session.cache is None:
+            session.parked_kv = state
+        log.info("parked session %s (%s)", session.id, "KV in Redis" if state else "re-prefill at its next turn")
+
+    def _persist_job(self, session: Session) -> dict | None:
+        """Model thread: write the session's KV to Redis and return the cache's record of it, or the
+        record it was parked or restored with while it has no cache; None when there is nothing to
+        restore from (a mode that keeps no KV in Redis, Redis down, or a failure, logged here)."""
+        cache = session.cache
+        if cache is None:
+            return session.parked_kv
+        try:
+            return cache.persist()
+        except Exception:  # noqa: BLE001 - the record then goes without KV: a restore re-prefills
+            log.warning("session %s: could not persist its KV", session.id, exc_info=True)
+            return None
+
+    def _release_quietly(self, session: Session, cache: SessionCache) -> None:
+        """Model thread: free a dropped cache's tier chunks now rather than at the session's deletion.
+
+        A failure here is logged, not raised: it must neither mask a failed turn's own error nor
+        stop a rebuild."""
+        try:
+            cache.release()
+        except Exception:  # noqa: BLE001 - see above
+            log.warning("session %s: could not free a dropped cache", session.id, exc_info=True)
+
+    def _materialize(self, session: Session) -> None:
+        """Model thread: give a session without a cache one, restored from its parked record if any."""
+        if session.cache is not None:
+            return
+        cache = self.new_cache(session.mode, session.rocket, session.id)
+        state, session.parked_kv = session.parked_kv, None
+        if state is not None and not cache.restore(state):
+            log.warning("session %s: stored KV incomplete; the history will be re-prefilled", session.id)
+            cache = self.new_cache(session.mode, session.rocket, session.id)
+        session.cache = cache
+        self.memory_account.set_held(session.id, cache.device_bytes())
+
+    def _rebuild_cache(self, session: Session) -> SessionCache:
+        """Model thread: replace a session's (half-updated) cache by an empty one to re-prefill into."""
+        dropped, session.cache = session.cache, None
+        if dropped is not None:
+            self._release_quietly(session, dropped)
+        self._materialize(session)
+        return session.cache
+
+    def _after_step(self, session_ids: list[str]) -> None:
+        """Model thread, after every batched step: measure the caches that changed, and the total."""
+        mem = self.memory_account
+        for sid in session_ids:
+            session = self._sessions.get(sid)
+            if session is not None and session.cache is not None:
+                mem.set_held(sid, session.cache.device_bytes())
+        mem.observe(list(self._sessions))
+

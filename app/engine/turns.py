@@ -1,0 +1,266 @@
+"""A turn through the engine: its checks, then prefill and decode on the model thread, streamed.
+
+``chat`` validates a turn, admits it within the device budget and returns the async iterator of its
+events (``TextDelta``s, then one ``TurnDone``); ``_run_turn`` is that iterator. A turn stopped
+between two chunks of its prefill (``_between_chunks``, or its caller gone) is undone: the session
+is as it was before it, its feed log included. A mixin of ``Engine``
+(``app.engine.engine``), working on the engine's state named below.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from app.engine.batcher import Batcher
+from app.engine.chat_format import ChatFormat
+from app.engine.detokenizer import Detokenizer
+from app.engine.errors import (
+    ContextLengthExceeded,
+    DeviceMemoryExhausted,
+    EmptyMessage,
+    MaxTokensTooLarge,
+    MessageTooLarge,
+    SessionBusy,
+    TurnCancelled,
+)
+from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
+from app.engine.memory import DeviceMemory
+from app.engine.model_runner import ModelRunner
+from app.engine.sampling import SamplingParams, make_generator, sample
+from app.engine.replay import replay, replayable
+from app.engine.session import Feed, Session, TurnStats
+from app.engine.steps import PrefillGate
+from app.settings import Settings
+from rocketkv_mt.cache import SessionCache
+from tiers.host import ChunkUnavailable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class TurnLoop:
+    # The engine's state and methods a turn uses (``Engine`` and ``DeviceResidency``).
+    settings: Settings
+    tokenizer: object
+    runner: ModelRunner
+    chat_format: ChatFormat
+    max_context: int
+    memory_account: DeviceMemory
+    batcher: Batcher
+    get_session: Callable[[str], Session]
+    memory: Callable[[Session], MemoryStats]
+    _admit: Callable[[Session, int, int], None]
+    _materialize: Callable[[Session], None]
+    _rebuild_cache: Callable[[Session], SessionCache]
+    _release_quietly: Callable[[Session, SessionCache], None]
+
+    def _turn_ids(self, session: Session, content: str) -> list[int]:
+        user = {"role": "user", "content": content}
+        if not any(m["role"] == "assistant" for m in session.messages):
+            return self.chat_format.first_turn([*session.messages, user])
+        last = session.token_ids[-1] if session.token_ids else None
+        closing = "" if session.messages[-1].get("closed") else self.chat_format.closing_after(last)
+        return self.chat_format.next_turn(session.messages, user, closing)
+
+    def _validate(self, session: Session, content: str, params: SamplingParams) -> list[int]:
+        if session.busy:
+            raise SessionBusy("a reply is already being generated in this session")
+        if not isinstance(content, str) or not content.strip():
+            raise EmptyMessage("the message is empty")
+        if len(content.encode("utf-8", "surrogatepass")) > self.settings.max_message_bytes:
+            raise MessageTooLarge(f"the message is over {self.settings.max_message_bytes} bytes")
+        if params.max_tokens is not None and params.max_tokens > self.settings.max_tokens_limit:
+            raise MaxTokensTooLarge(f"max_tokens is over the limit of {self.settings.max_tokens_limit}")
+        new_ids = self._turn_ids(session, content)
+        total = len(session.token_ids) + len(new_ids)
+        if total + 1 > self.max_context:
+            raise ContextLengthExceeded(
+                f"the conversation would be {total} tokens; the model context is {self.max_context} "
+                "(the session is unchanged; start a new one or send less)"
+            )
+        return new_ids
+
+    async def _step(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the model thread, between batched steps; a cancelled caller still waits for it."""
+        return await self.batcher.run(fn)
+
+    async def chat(
+        self, session_id: str, content: str, params: SamplingParams | None = None
+    ) -> AsyncIterator[TextDelta | TurnDone]:
+        """Validate and start a turn; returns the async iterator of its events."""
+        session = self.get_session(session_id)
+        params = params or SamplingParams()
+        new_ids = self._validate(session, content, params)
+        prompt_tokens = len(session.token_ids) + len(new_ids)
+        max_new = min(params.max_tokens or self.settings.max_new_tokens, self.max_context - prompt_tokens)
+        self._admit(session, len(new_ids), max_new)
+        session.busy = True
+        session.cancel_requested = False
+        return self._run_turn(session, content, new_ids, params, max_new)
+
+    async def complete(self, session_id: str, content: str, params: SamplingParams | None = None) -> TurnDone:
+        """Run a whole turn and return its ``TurnDone``."""
+        done = None
+        async for event in await self.chat(session_id, content, params):
+            if isinstance(event, TurnDone):
+                done = event
+        return done
+
+    async def _run_turn(
+        self, session: Session, content: str, new_ids: list[int], params: SamplingParams, max_new: int
+    ) -> AsyncIterator[TextDelta | TurnDone]:
+        t0 = time.perf_counter()
+        before = len(session.messages), len(session.token_ids)
+        session.messages.append({"role": "user", "content": content})
+        session.token_ids.extend(new_ids)
+        stats = TurnStats(prompt_tokens=len(session.token_ids), prefilled_tokens=0)
+        detok = Detokenizer(self.tokenizer, params.stop)
+        generator = make_generator(params, self.runner.device)
+        finish = "length"
+        generated: list[int] = []
+        # Between two chunks of the prefill a cancel (or a refusal) stops the turn and undoes it.
+        gate = PrefillGate(lambda: self._between_chunks(session))
+        try:
+            if session.cache is None:  # parked, restored from Redis, or after a failed step
+                await self._step(lambda: self._materialize(session))
+            cache = session.cache
+            if cache.history_len == 0:
+                session.feeds.clear()
+            fed = cache.history_len
+            prefill_ids = session.token_ids[fed:]
+            stats.prefilled_tokens = len(prefill_ids)
+            try:
+                logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, gate)
+            except ChunkUnavailable as exc:
+                # Part of the cold history is unreadable (spilled to Redis, which is down now): the token
+                # ids still hold all of it, so this same turn rebuilds the cache from them, exactly
+                # (the earlier turns replayed as they were fed) when the session's log allows it.
+                feeds = session.feeds if replayable(session.feeds, fed) else []
+                log.warning("session %s: %s; rebuilding its cache in this turn (%s)", session.id, exc,
+                            f"replaying {len(feeds)} turns" if feeds else "one prefill of the history")
+                cache = await self._step(lambda: self._rebuild_cache(session))
+                self._admit(session, 0, max_new)  # the bound of a whole re-prefill, or a structured refusal
+                await replay(self.batcher, session.id, cache, session.token_ids, feeds)
+                session.feeds = list(feeds)
+                prefill_ids = session.token_ids[cache.history_len :]
+                stats.prefilled_tokens = len(session.token_ids)
+                logits = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, gate)
+            session.feeds.append(Feed(len(prefill_ids), max_new))
+            self.memory_account.chunking.pop(session.id, None)  # compressed: back within its bound
+            stats.ttft_ms = (time.perf_counter() - t0) * 1000
+            with self.batcher.decoding():
+                while True:
+                    token = sample(logits, params, generator)
+                    generated.append(token)
+                    session.token_ids.append(token)
+                    if token in self.chat_format.eos_ids:
+                        finish = "stop"
+                        break
+                    delta = detok.add(token)
+                    if delta:
+                        yield TextDelta(delta)
+                    if detok.stopped:
+                        finish = "stop"
+                        break
+                    if len(generated) >= max_new or len(session.token_ids) >= self.max_context:
+                        break
+                    if session.cancel_requested:
+                        finish = "cancelled"
+                        break
+                    logits = await self.batcher.decode(session.id, cache, token)
+                    session.feeds[-1].decodes += 1
+        except (GeneratorExit, asyncio.CancelledError):
+            finish = "cancelled"
+            raise
+        except Exception as exc:
+            if gate.undone:  # stopped between two chunks of the prefill (undone below)
+                if not isinstance(exc, TurnCancelled):
+                    raise  # a refusal, before anything was yielded
+            else:
+                log.exception("turn failed in session %s; its cache will be rebuilt", session.id)
+                failed, session.cache = session.cache, None
+                self.memory_account.set_held(session.id, 0)
+                if failed is not None:
+                    await self._step(lambda: self._release_quietly(session, failed))
+                finish = "error"
+                raise
+        finally:
+            if gate.undone:
+                self._undo_turn(session, before, stats, t0)
+            else:
+                self._finish_turn(session, detok, generated, finish, stats, t0)
+        if gate.undone:
+            yield self._done_event(session, stats, "")
+            return
+        tail = detok.flush()
+        if tail:
+            yield TextDelta(tail)
+        yield self._done_event(session, stats, detok.text)
+
+    def _between_chunks(self, session: Session) -> None:
+        """Model thread, between two chunks of a turn's prefill: a cancel ends the turn there, and so
+        does a cache found past the device memory reserved for its turn (the bound did not hold)."""
+        if session.cancel_requested:
+            raise TurnCancelled("cancelled while the message was prefilled")
+        mem = self.memory_account
+        if mem.budget and mem.outgrown(session.id):
+            mem.refusals += 1
+            raise DeviceMemoryExhausted(
+                "this turn's prefill outgrew the device memory reserved for it; the session is unchanged, retry later"
+            )
+
+    def _undo_turn(self, session: Session, before: tuple[int, int], stats: TurnStats, t0: float) -> None:
+        """A turn stopped before its prefill ended: the session is as it was before it (its cache's
+        chunks were taken back, no feed was logged); only the returned stats tell of it."""
+        del session.messages[before[0] :], session.token_ids[before[1] :]
+        stats.finish_reason, stats.latency_ms = "cancelled", (time.perf_counter() - t0) * 1000
+        if session.cache is not None:
+            self.memory_account.set_held(session.id, session.cache.device_bytes())
+        self.memory_account.reserved.pop(session.id, None)
+        self.memory_account.chunking.pop(session.id, None)
+        session.busy = False
+        session.cancel_requested = False
+
+    def _finish_turn(
+        self, session: Session, detok: Detokenizer, generated: list[int], finish: str, stats: TurnStats, t0: float
+    ) -> None:
+        reply = {"role": "assistant", "content": detok.text}
+        if finish == "cancelled":
+            reply["cancelled"] = True
+        if finish == "error":
+            # Nothing of the failed reply is kept; the ids end with a closed (empty) assistant turn.
+            del session.token_ids[len(session.token_ids) - len(generated) :]
+            reply["error"] = True
+        if finish in ("cancelled", "error", "length") or (generated and generated[-1] not in self.chat_format.eos_ids):
+            session.token_ids.extend(self.chat_format.encode(self.chat_format.turn_end_text))
+            reply["closed"] = True
+        session.messages.append(reply)
+        stats.generated_tokens = len(generated)
+        stats.finish_reason = finish
+        stats.latency_ms = (time.perf_counter() - t0) * 1000
+        if session.cache is not None:
+            session.cache.end_turn()
+            stats.device_bytes = session.cache.device_bytes()
+            stats.kept_tokens = session.cache.kept_tokens()
+            stats.readmitted_tokens = session.cache.readmitted_tokens()
+            self.memory_account.set_held(session.id, stats.device_bytes)
+        self.memory_account.reserved.pop(session.id, None)
+        self.memory_account.chunking.pop(session.id, None)
+        session.turns.append(stats)
+        session.busy = False
+        session.cancel_requested = False
+        session.last_used = time.time()
+
+    def _done_event(self, session: Session, stats: TurnStats, text: str) -> TurnDone:
+        return TurnDone(
+            finish_reason=stats.finish_reason,
+            text=text,
+            usage=Usage(stats.prompt_tokens, stats.prefilled_tokens, stats.generated_tokens),
+            memory=self.memory(session),
+            ttft_ms=stats.ttft_ms,
+            latency_ms=stats.latency_ms,
+        )
+

@@ -1,0 +1,199 @@
+"""A session's turns as the service runs them: checked, started, streamed, saved before their
+``done``, and run at most once.
+
+Each turn may carry an idempotency key, kept by the session with its last finished turn
+(``Session.last_turn``, saved in its record).
+
+A caller that lost a turn's answer (its replica died mid-stream, its connection dropped) sends the
+turn again under the same key. If that turn finished, here or on a replica whose record this one
+restored, the answer is rebuilt from what the session kept: the whole reply as one delta, then its
+``done``. If it is still running on this replica, the retry first waits for it to end. Only a turn
+that never finished runs again.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from app.contract.errors import ChatError, HistoryMismatch, InvalidRequest
+from app.contract.events import Delta, Done, MemoryStats, TurnEvent, TurnFailed, TurnStarted, Usage
+from app.engine.engine import Engine
+from app.engine.events import TextDelta, TurnDone
+from app.engine.session import Session
+from app.session_restore import checked_sampling, is_unicode
+
+log = logging.getLogger(__name__)
+KEY_MAX = 128  # longer keys are refused: they are stored with every record
+
+
+def _nothing() -> None:
+    return None
+
+
+class TurnKeys:
+    """The attempts of a turn (same session, same key) under way in this replica: one at a time."""
+
+    def __init__(self) -> None:
+        self._running: dict[tuple[str, str], asyncio.Event] = {}
+
+    async def claim(self, sid: str, key: str | None) -> Callable[[], None]:
+        """Wait until no attempt of this turn runs here, then mark this one as running; returns the
+        release, to call once the attempt's outcome is kept (calling it again does nothing)."""
+        if key is None:
+            return _nothing
+        slot = (sid, key)
+        while (running := self._running.get(slot)) is not None:
+            await running.wait()
+        ended = self._running[slot] = asyncio.Event()
+
+        def release() -> None:
+            if self._running.get(slot) is ended:
+                del self._running[slot]
+            ended.set()
+
+        return release
+
+
+def keep(session: Session, key: str | None, replica: str) -> None:
+    """Remember the turn that just finished (the session's last stats and reply) under ``key``; a
+    failed turn is not kept (sent again, it runs)."""
+    if key is None or not session.turns or session.turns[-1].finish_reason == "error":
+        return
+    turn, reply = session.turns[-1], session.messages[-1]
+    session.last_turn = {
+        "key": key,
+        "text": reply["content"],
+        "finish_reason": turn.finish_reason,
+        "usage": {"prompt_tokens": turn.prompt_tokens, "prefilled_tokens": turn.prefilled_tokens,
+                  "generated_tokens": turn.generated_tokens},
+        "ttft_ms": turn.ttft_ms,
+        "latency_ms": turn.latency_ms,
+        "replica": replica,
+    }
+
+
+def replay(
+    session: Session, key: str | None, replica: str, memory: Callable[[Session], MemoryStats]
+) -> list[TurnEvent] | None:
+    """The events of the session's last turn if it was sent under ``key`` (its ``done`` with the
+    session's memory now); None when it was not (that turn has not run: the caller runs it)."""
+    last: dict[str, Any] | None = session.last_turn
+    if key is None or not last or last.get("key") != key:
+        return None
+    events: list[TurnEvent] = [TurnStarted(session_id=session.id, replica=replica)]
+    if last["text"]:
+        events.append(Delta(last["text"]))
+    events.append(Done(
+        finish_reason=last["finish_reason"],
+        usage=Usage(**last["usage"]),
+        memory=memory(session),
+        replica=last["replica"],
+        session_id=session.id,
+        ttft_ms=last["ttft_ms"],
+        latency_ms=last["latency_ms"],
+    ))
+    return events
+
+
+class Turns:
+    """The chat verb of ``ChatService``, given how it finds a session (access checks and restore
+    included), how it saves one, and where it runs background work."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        replica: str,
+        session_of: Callable[[str, str | None, str | None], Awaitable[tuple[Session, bool]]],
+        persist: Callable[[Session], Awaitable[None]],
+        spawn: Callable[[Awaitable[None]], None],
+    ):
+        self.engine = engine
+        self.replica = replica
+        self.session_of = session_of
+        self.persist = persist
+        self.spawn = spawn
+        self.keys = TurnKeys()
+
+    async def run(
+        self,
+        sid: str,
+        token: str | None,
+        content: str,
+        sampling: dict[str, Any] | None,
+        history: list[list[str]] | None,
+        owner: str | None,
+        turn_key: str | None,
+    ) -> AsyncIterator[TurnEvent]:
+        if turn_key is not None and (not isinstance(turn_key, str) or not 0 < len(turn_key) <= KEY_MAX):
+            yield TurnFailed("invalid_request", f"a turn key is a string of 1 to {KEY_MAX} characters")
+            return
+        release = await self.keys.claim(sid, turn_key)
+        handed_over = False  # an abandoned turn's outcome is kept, and its key released, by a later task
+        try:
+            try:
+                session, _ = await self.session_of(sid, token, owner)
+                answered = replay(session, turn_key, self.replica, self.engine.memory)
+                if answered is None:
+                    if history is not None and [[m["role"], m["content"]] for m in session.messages] != history:
+                        raise HistoryMismatch("the messages do not continue this session's history")
+                    if isinstance(content, str) and not is_unicode(content):
+                        raise InvalidRequest("the message is not valid Unicode text (a lone surrogate)")
+                    stream = await self.engine.chat(sid, content, checked_sampling(sampling))
+            except ChatError as exc:
+                yield TurnFailed.of(exc)
+                return
+            except Exception:  # a bug, not the client's fault; the session is unchanged (nothing started)
+                log.exception("turn of session %s could not start", sid)
+                yield TurnFailed("internal_error", "the turn could not start")
+                return
+            for event in answered or ():
+                yield event
+            if answered is not None:
+                return
+            try:
+                # The first event before anything goes out: whatever the caller does next, the engine's
+                # turn has begun, so it ends (and frees the session) by itself.
+                event = await anext(stream)
+                yield TurnStarted(session_id=sid, replica=self.replica)
+                while isinstance(event, TextDelta):
+                    yield Delta(event.text)
+                    event = await anext(stream)
+                await stream.aclose()
+            except Exception as exc:  # the engine logged it; the session stays usable (cache rebuilt)
+                await self.persist(session)
+                yield TurnFailed("internal_error", f"the turn failed: {type(exc).__name__}")
+                return
+            except BaseException:
+                # Abandoned by the consumer: the engine ended the turn as cancelled; keep that state.
+                handed_over = True
+                self.spawn(self._close_and_keep(stream, session, turn_key, release))
+                raise
+            keep(session, turn_key, self.replica)
+            await self.persist(session)
+            yield self._done(session, event)
+        finally:
+            if not handed_over:
+                release()
+
+    async def _close_and_keep(self, stream, session: Session, turn_key: str | None, release) -> None:
+        try:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+            keep(session, turn_key, self.replica)
+            await self.persist(session)
+        finally:
+            release()
+
+    def _done(self, session: Session, done: TurnDone) -> Done:
+        return Done(
+            finish_reason=done.finish_reason,
+            usage=done.usage,
+            memory=self.engine.memory(session),  # after the save, whose bytes written count for the turn
+            replica=self.replica,
+            session_id=session.id,
+            ttft_ms=done.ttft_ms,
+            latency_ms=done.latency_ms,
+        )

@@ -1,0 +1,153 @@
+"""The session cache of every mode: the device KV and the turn's sizes, with a prefill policy and a
+decode policy (``rocketkv_mt.cache.policy``) deciding what stays and what each step reads.
+
+A prefill fed in chunks (``rest`` > 0 until its last forward) reaches neither policy before its last
+chunk: the earlier chunks are appended to every layer and attend densely over all the layer holds,
+so the last chunk finds the store a whole prefill would have, and the prefill policy selects once,
+there. ``undo_chunks`` takes the earlier chunks back.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rocketkv_mt.attention_ops import dense_attention
+from rocketkv_mt.cache.base import AttentionTimer, CacheSpec, ForwardStep
+from rocketkv_mt.cache.mode import CacheMode
+from rocketkv_mt.cache.store import LayerKV
+from rocketkv_mt.cache.tier_context import TierContext
+from rocketkv_mt.config import BudgetSplit, RocketKVConfig
+from tiers.base import Traffic
+
+
+class ComposedCache:
+    """A ``SessionCache`` of ``mode``: ``layers`` hold each layer's tokens on the device, ``prefill``
+    and ``decode`` are the mode's policies (``tiers``: where cold tokens go, for the modes that keep any)."""
+
+    def __init__(self, mode: CacheMode, spec: CacheSpec, rocket: RocketKVConfig | None = None,
+                 tiers: TierContext | None = None):
+        self.mode = mode.name
+        self.spec = spec
+        self.rocket = rocket or RocketKVConfig()
+        self.layers = [
+            LayerKV(spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device) for _ in range(spec.num_layers)
+        ]
+        self.history_len = 0  # tokens fed so far == position of the next token
+        self.step: ForwardStep | None = None
+        self.split: BudgetSplit | None = None
+        self.timer = AttentionTimer()
+        self.traffic = Traffic()  # bytes this cache moved between tiers in its last turn
+        self.readmitted = 0  # cold token slots promoted back this turn, over all layers and KV heads
+        # While a chunked prefill is under way: the history length and split from before its first chunk.
+        self._chunked_from: tuple[int, BudgetSplit | None] | None = None
+        self.decode = mode.decode(spec)
+        self.prefill = mode.prefill(self, tiers)
+
+    # --- engine side -------------------------------------------------------------------------
+    def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0, rest: int = 0) -> None:
+        split = None
+        if prefill:
+            if self._chunked_from is None:  # the prefill's first forward (its only one, unless chunked)
+                self.prefill.begin_turn()
+                self.readmitted = 0
+                self.traffic.reset()
+                if rest:
+                    self._chunked_from = (self.history_len, self.split)
+            split = self.rocket.split(self.history_len + n_new + rest + max_new, max_new, self.spec.head_dim)
+            self.split = split
+        self.step = ForwardStep(n_new=n_new, prefill=prefill, max_new=max_new, split=split, rest=rest)
+
+    def end_forward(self) -> None:
+        assert self.step is not None
+        self.history_len += self.step.n_new
+        if self.step.prefill and not self.step.rest:
+            self._chunked_from = None
+        self.step = None
+
+    def last_chunk_min(self) -> int | None:
+        return self.rocket.window_size if self.prefill.chunkable() else None
+
+    @torch.inference_mode()
+    def undo_chunks(self) -> None:
+        if self._chunked_from is None:
+            return
+        (history_len, split), self._chunked_from = self._chunked_from, None
+        fed = self.history_len - history_len
+        for store in self.layers:
+            store.truncate(store.length - fed)
+        self.history_len, self.split = history_len, split
+
+    def positions(self, n_new: int) -> torch.Tensor:
+        """Positions of the next n_new tokens: they continue the whole history, not the kept length."""
+        return torch.arange(self.history_len, self.history_len + n_new, device=self.spec.device)
+
+    def end_turn(self) -> None:
+        self.prefill.end_turn()
+
+    def release(self) -> None:
+        self.prefill.release()
+
+    def persist(self) -> dict | None:
+        state = self.prefill.persist()
+        return None if state is None else {"history_len": self.history_len, **state}
+
+    def restore(self, state: dict) -> bool:
+        if not self.prefill.restore(state):
+            return False
+        self.history_len = int(state["history_len"])
+        return True
+
+    # --- attention side ----------------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q (1, Hq, n, d), k/v (1, Hkv, n, d) for the new tokens -> attention output (1, n, Hq, d)."""
+        if not self.timer.enabled:
+            return self._attend(layer, q[0], k[0], v[0], scaling).transpose(0, 1).unsqueeze(0)
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
+        t0 = time.perf_counter()
+        out = self._attend(layer, q[0], k[0], v[0], scaling)
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
+        self.timer.seconds += time.perf_counter() - t0
+        self.timer.calls += 1
+        return out.transpose(0, 1).unsqueeze(0)
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q (Hq, n, d); k, v (Hkv, n, d) -> (Hq, n, d)."""
+        self.prefill.before_step(layer)
+        self.layers[layer].append(k, v, self.positions(k.shape[1]))
+        if self.step is not None and self.step.prefill:
+            if self.step.rest:  # a chunk before the last: nothing is selected until the prefill ends
+                store = self.layers[layer]
+                return dense_attention(q, store.keys, store.values, scaling)
+            return self.prefill_attention(layer, q, scaling)
+        return self.decode_attention(layer, q, scaling)
+
+    def prefill_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A turn's new queries (Hq, n, d) attend, then the prefill policy selects."""
+        return self.prefill.attend(layer, q, scaling)
+
+    def decode_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """One decode query (Hq, 1, d) over the layer's decode set (the new token included)."""
+        return self.decode.attend(layer, q, self.prefill.extend_decode_set(layer), self.split, scaling)
+
+    def selected(self, layer: int, store: LayerKV, scores: torch.Tensor | None) -> None:
+        self.decode.prepare(layer, store, scores, self.split)
+
+    # --- accounting --------------------------------------------------------------------------
+    def readmitted_tokens(self) -> int:
+        return round(self.readmitted / (self.spec.num_layers * self.spec.num_kv_heads))
+
+    def kept_tokens(self) -> int:
+        return self.layers[0].length
+
+    def cold_tokens(self) -> int:
+        return self.prefill.cold_tokens()
+
+    def device_bytes(self) -> int:
+        """KV of the layer stores plus what each policy holds (a selection, KT pages, pages read back)."""
+        return sum(layer.nbytes() for layer in self.layers) + self.prefill.nbytes() + self.decode.nbytes()
+
+    def tier_bytes(self) -> dict[str, int]:
+        return {"device": self.device_bytes(), **self.prefill.cold_bytes()}

@@ -1,0 +1,161 @@
+"""The two halves of a cache mode and what they see of the cache that composes them.
+
+A mode is a prefill policy (which tokens stay on the device after a turn's prefill, and which set
+decode reads) combined with a decode policy (how one decode query attends over that set). The
+cache (``rocketkv_mt.cache.composed``) owns the device KV and the turn's sizes; each policy is a
+small object holding only its own state. Each half also bounds the device bytes it can hold during
+a turn (``TurnSize``), so the engine's memory model needs to know no mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rocketkv_mt.cache.base import CacheSpec
+from rocketkv_mt.cache.store import LayerKV
+from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
+from rocketkv_mt.config import BudgetSplit
+from tiers.base import Traffic
+
+
+@dataclass(frozen=True)
+class TurnSize:
+    """A turn as the memory model sees it before it runs, in tokens per KV head.
+
+    fed: history the cache holds (its ``history_len``); kept: tokens it holds on the device now;
+    new: tokens the turn's prefill feeds; total: fed + new + max new tokens; decode: the decode
+    tokens the split reserves room for; split: the turn's sizes. token_bytes / layer_bytes: keys and
+    values of one token over all layers / in one layer. chunked: the prefill is fed in chunks, so
+    its new tokens sit in every layer until the last chunk (``SessionCache.undo_chunks``)."""
+
+    fed: int
+    kept: int
+    new: int
+    total: int
+    decode: int
+    split: BudgetSplit
+    token_bytes: int
+    layer_bytes: int
+    chunked: bool = False
+
+    @property
+    def kept_after(self) -> int:
+        """Tokens a compressed set holds at the turn's end: the prompt budget (or more, if it held
+        more already) plus the decode tokens."""
+        return max(self.split.prompt_budget, self.kept) + self.decode
+
+    @property
+    def uncompressed_bytes(self) -> int:
+        """Bytes of the new tokens before a prefill compresses them: in one layer at a time (each
+        layer's prefill compresses it before the next layer's runs), or in every layer at once when
+        the prefill is chunked (compression waits for its last chunk)."""
+        return (self.token_bytes if self.chunked else self.layer_bytes) * self.new
+
+
+class CacheState(Protocol):
+    """What a policy reads and updates of the cache that composes it."""
+
+    spec: CacheSpec
+    layers: list[LayerKV]
+    history_len: int
+    split: BudgetSplit | None
+    traffic: Traffic
+    readmitted: int  # cold token slots promoted back this turn, over all layers and KV heads
+
+    def positions(self, n_new: int) -> torch.Tensor: ...
+
+    def selected(self, layer: int, store: LayerKV, scores: torch.Tensor | None) -> None:
+        """A layer's decode set is now ``store``; ``scores`` (Hkv, kept), in store order: what Stage 1
+        scored its tokens this turn, or None when nothing was selected."""
+        ...
+
+
+class DecodePolicy(Protocol):
+    """How a decode query attends over the set its prefill policy chose."""
+
+    def __init__(self, spec: CacheSpec) -> None: ...
+
+    def prepare(self, layer: int, store: LayerKV, scores: torch.Tensor | None, split: BudgetSplit) -> None:
+        """A layer's decode set was (re)chosen; see ``CacheState.selected``."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor, store: LayerKV, split: BudgetSplit, scaling: float) -> torch.Tensor:
+        """One decode query (Hq, 1, d) over ``store`` (its newest token is the one decoded) -> (Hq, 1, d)."""
+        ...
+
+    def nbytes(self) -> int:
+        """Device bytes this policy holds besides the KV."""
+        ...
+
+    @staticmethod
+    def bound(turn: TurnSize, decode_tokens: int) -> int:
+        """Upper bound of ``nbytes`` during a turn whose decode set grows to ``decode_tokens``."""
+        ...
+
+
+class PrefillPolicy(Protocol):
+    """What a turn's prefill keeps on the device and which set decode reads.
+
+    The lifecycle hooks have empty defaults: a policy that keeps nothing off the device, and
+    selects at once, needs none of them."""
+
+    def __init__(self, cache: CacheState, tiers: TierContext | None) -> None: ...
+
+    def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A layer's prefill queries (Hq, n, d), whose keys and values the layer's store already
+        holds, attend; the policy then selects (``CacheState.selected``) -> (Hq, n, d)."""
+        ...
+
+    def extend_decode_set(self, layer: int) -> LayerKV:
+        """At a decode step of ``layer``, whose store already holds the token being decoded: add that
+        token to the set decode reads, where the set is not the store itself, and return the set."""
+        ...
+
+    @staticmethod
+    def bound(turn: TurnSize, tiers: TierPolicy) -> int:
+        """Upper bound of the KV bytes (layer stores, ``nbytes`` and prefill scratch) during ``turn``."""
+        ...
+
+    @staticmethod
+    def decode_tokens(turn: TurnSize) -> int:
+        """Upper bound of the decode set's length during ``turn``."""
+        ...
+
+    def begin_turn(self) -> None:
+        """Before a turn's prefill, while ``CacheState.split`` is still the last turn's."""
+
+    def chunkable(self) -> bool:
+        """Whether the next prefill may be fed in chunks: its earlier chunks attend densely over the
+        layer stores, which must then hold all that the whole prefill's queries would attend to."""
+        return True
+
+    def before_step(self, layer: int) -> None:
+        """Before a layer's new keys and values are appended to its store."""
+
+    def end_turn(self) -> None:
+        """When a turn's reply is finished."""
+
+    def nbytes(self) -> int:
+        """Device bytes this policy holds besides the layer stores."""
+        return 0
+
+    def release(self) -> None:
+        """Free what the session holds outside the device."""
+
+    def persist(self) -> dict | None:
+        """Write the KV to the tiers; a JSON-able record, or None where this policy keeps no KV there."""
+        return None
+
+    def restore(self, state: dict) -> bool:
+        """Rebuild the stores from ``persist``'s record; False when that is not possible."""
+        return False
+
+    def cold_bytes(self) -> dict[str, int]:
+        """Bytes of this session in the host tier and in Redis."""
+        return {"host": 0, "redis": 0}
+
+    def cold_tokens(self) -> int:
+        """Tokens per KV head of the first layer held in the cold tiers."""
+        return 0

@@ -1,0 +1,1 @@
+"""Prefill policies: what a turn's prefill keeps on the device and which set decode reads."""

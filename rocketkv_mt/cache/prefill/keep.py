@@ -1,0 +1,31 @@
+"""Keep everything (``full``): the turn attends to the whole history, and all of it stays."""
+from __future__ import annotations
+
+import torch
+
+from rocketkv_mt.attention_ops import dense_attention
+from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
+from rocketkv_mt.cache.store import LayerKV
+from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
+
+
+class KeepAll(PrefillPolicy):
+    def __init__(self, cache: CacheState, tiers: TierContext | None = None) -> None:
+        self.cache = cache
+
+    def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        store = self.cache.layers[layer]
+        out = dense_attention(q, store.keys, store.values, scaling)
+        self.cache.selected(layer, store, None)
+        return out
+
+    def extend_decode_set(self, layer: int) -> LayerKV:
+        return self.cache.layers[layer]
+
+    @staticmethod
+    def bound(turn: TurnSize, tiers: TierPolicy) -> int:
+        return turn.token_bytes * turn.total
+
+    @staticmethod
+    def decode_tokens(turn: TurnSize) -> int:
+        return turn.total

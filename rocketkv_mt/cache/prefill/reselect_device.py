@@ -1,0 +1,56 @@
+"""Re-select over the device (``rocketkv-mt``, the paper's multi-turn variant): the whole history
+stays on the device; every turn re-runs Stage 1 over all of it with the new observation window,
+into a per-turn selection that decode reads."""
+from __future__ import annotations
+
+import torch
+
+from rocketkv_mt.attention_ops import dense_attention
+from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
+from rocketkv_mt.cache.store import LayerKV
+from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
+from rocketkv_mt.reselect import reselect
+
+
+class ReselectDevice(PrefillPolicy):
+    def __init__(self, cache: CacheState, tiers: TierContext | None = None) -> None:
+        self.cache = cache
+        s = cache.spec
+        self.selection = [LayerKV(s.num_kv_heads, s.head_dim, s.dtype, s.device) for _ in range(s.num_layers)]
+
+    def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        cache = self.cache
+        full, turn, split = cache.layers[layer], self.selection[layer], cache.split
+        out = dense_attention(q, full.keys, full.values, scaling)
+        scores = None
+        if full.length <= split.prompt_budget:
+            turn.replace(full.keys, full.values, full.positions)
+        else:
+            w = min(split.window_size, q.shape[1])
+            slots, positions, scores = reselect(
+                q[:, -w:], full.keys, full.positions, None, full.length, split.prompt_budget, split.kernel_size, scaling
+            )
+            idx = slots.unsqueeze(-1).expand(-1, -1, full.keys.shape[-1])
+            turn.replace(torch.gather(full.keys, 1, idx), torch.gather(full.values, 1, idx), positions)
+        cache.selected(layer, turn, scores)
+        return out
+
+    def extend_decode_set(self, layer: int) -> LayerKV:
+        """The turn's selection, with the token being decoded (the layer store's newest) copied in."""
+        full = self.cache.layers[layer]
+        self.selection[layer].append(full.keys[:, -1:], full.values[:, -1:], full.positions[:, -1:])
+        return self.selection[layer]
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.selection)
+
+    @staticmethod
+    def bound(turn: TurnSize, tiers: TierPolicy) -> int:
+        """The whole history, the per-turn selection (the old one is replaced layer by layer), and
+        one layer's scratch of the re-selection (the history's keys and values gathered)."""
+        return (turn.token_bytes * turn.total + turn.token_bytes * turn.kept_after
+                + turn.layer_bytes * 2 * (turn.fed + turn.new))
+
+    @staticmethod
+    def decode_tokens(turn: TurnSize) -> int:
+        return turn.kept_after

@@ -1,0 +1,252 @@
+"""Re-select over the device and the cold tiers (``tiered``): the device holds only the primary set;
+every other token of the history is cold, in the host tier or Redis. Each turn, layer by layer,
+Stage 1 scores the history with the new window: selected cold tokens are promoted (re-admitted),
+unselected primary tokens are demoted (DESIGN §3).
+
+Which cold tokens a turn scores is the ``reselect`` policy: ``exhaustive`` reads every cold page;
+``digest`` ranks the cold pages by their key bounds (``rocketkv_mt.cold_select``) and reads only the
+best ones, so a turn's traffic follows the prompt budget, not the history.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from rocketkv_mt.attention_ops import dense_attention, positional_attention
+from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
+from rocketkv_mt.cache.store import LayerKV
+from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
+from rocketkv_mt.cold_select import candidate_pages, page_bounds, pages_per_head
+from rocketkv_mt.reselect import choose, reselect, scores_by_position
+from rocketkv_mt.split_attention import attend_part, join_rows, merge, window_probs
+from tiers.base import batch_nbytes
+from tiers.cold_layer import ColdLayer
+
+
+@dataclass
+class Pending:
+    """A layer's re-selection, computed up to the scores: probs (Hkv, T + M) of the device slots and
+    the read-back slots ``cand`` (keys, values, positions, alive, cold slots), their positions and
+    alive flags, the history length and the window."""
+
+    probs: torch.Tensor
+    key_pos: torch.Tensor
+    alive: torch.Tensor | None
+    cand: tuple
+    total: int
+    w: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.cand[:2])
+
+
+class ReselectTiered(PrefillPolicy):
+    def __init__(self, cache: CacheState, tiers: TierContext | None) -> None:
+        if tiers is None:
+            raise ValueError("the tiered mode needs a TierContext (host tier and session id)")
+        self.cache, self.tiers = cache, tiers
+        spec, policy = cache.spec, tiers.policy
+        self.cold = [
+            ColdLayer(tiers.session_id, i, tiers.host, policy.page_tokens, policy.codec, spec.num_kv_heads,
+                      spec.head_dim, spec.dtype)
+            for i in range(spec.num_layers)
+        ]
+        self._pending: list[Pending | None] = [None] * spec.num_layers
+
+    # --- turns -------------------------------------------------------------------------------
+    def begin_turn(self) -> None:
+        self.settle()
+
+    def chunkable(self) -> bool:
+        # The cold pages a turn reads, and with ``selected`` what every new token attends to, follow
+        # from the turn's last window: earlier chunks could not attend as the whole prefill does.
+        return self.tiers.policy.prefill_attention != "selected" and not any(cold.has_pages() for cold in self.cold)
+
+    def before_step(self, layer: int) -> None:
+        if self._pending[layer] is not None:  # the first decode step: the turn's selection takes effect
+            self._settle(layer)
+
+    def end_turn(self) -> None:
+        self.settle()
+
+    def extend_decode_set(self, layer: int) -> LayerKV:
+        return self.cache.layers[layer]
+
+    def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        cache, policy = self.cache, self.tiers.policy
+        store, cold, split = cache.layers[layer], self.cold[layer], cache.split
+        n = q.shape[1]
+        if not cold.has_pages() and store.length <= split.prompt_budget:
+            out = dense_attention(q, store.keys, store.values, scaling)
+            cache.selected(layer, store, None)
+            return out
+        w = min(split.window_size, n)
+        total = cache.history_len + n
+        if not cold.has_pages():
+            # Nothing cold yet (a first turn): the device holds the history in order, as SnapKV sees it.
+            out = dense_attention(q, store.keys, store.values, scaling)
+            slots, positions, scores = reselect(
+                q[:, -w:], store.keys, store.positions, None, total, split.prompt_budget, split.kernel_size, scaling
+            )
+            self._reorganise(layer, slots, positions, scores, None)
+            return self._selected_attention(layer, q, scaling) if policy.prefill_attention == "selected" else out
+        # The device part first (primary set and the turn, the turn causal); its window rows rank the
+        # cold pages, which are read while the other rows attend; the pages read back are the second
+        # part; one exact softmax over both.
+        window = attend_part(q[:, n - w :], store.keys, store.values, scaling, w, own_tail=n, first_row=n - w)
+        read = partial(self._read_candidates, layer, q[:, -w:], window, scaling)
+        transfers = self.tiers.transfers
+        reading = transfers.start(read) if transfers is not None else None
+        device = window
+        if n > w:
+            device = join_rows(attend_part(q[:, : n - w], store.keys, store.values, scaling, 0, own_tail=n), window)
+        cand = transfers.wait(reading) if transfers is not None else read()
+        parts = [device]
+        if cand[0].shape[1]:
+            parts.append(attend_part(q, cand[0], cand[1], scaling, w, visible=cand[3]))
+        out, lse = merge(parts, q.dtype)
+        probs = torch.cat([window_probs(part, lse) for part in parts], dim=1)
+        key_pos, alive = store.positions, None
+        if len(parts) > 1:
+            key_pos = torch.cat([store.positions, cand[2]], dim=1)
+            alive = torch.cat([torch.ones_like(store.positions, dtype=torch.bool), cand[3]], dim=1)
+        self._pending[layer] = Pending(probs, key_pos, alive, cand, total, w)
+        # The first token needs only this attention; the re-selection (choose, promote, demote, KT)
+        # waits for the layer's first decode step. Reading every page back (exhaustive) would hold a
+        # whole cold history per layer until then, so that rule settles at once.
+        if policy.prefill_attention == "selected" or policy.reselect == "exhaustive":
+            self._settle(layer)
+        return self._selected_attention(layer, q, scaling) if policy.prefill_attention == "selected" else out
+
+    def _settle(self, layer: int) -> None:
+        """Run a layer's pending re-selection on the keys its turn attended to."""
+        p, self._pending[layer] = self._pending[layer], None
+        split = self.cache.split
+        raw = scores_by_position(p.probs, p.key_pos, p.alive, p.total, p.w)
+        slots, positions, scores = choose(raw, p.key_pos, p.alive, p.total, p.w, split.prompt_budget, split.kernel_size)
+        self._reorganise(layer, slots, positions, scores, p.cand)
+
+    def settle(self) -> None:
+        """Every layer's pending re-selection, now (before a new turn, at a turn's end, before persisting)."""
+        for layer, pending in enumerate(self._pending):
+            if pending is not None:
+                self._settle(layer)
+
+    def _selected_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The turn's queries over the new primary set only (which keeps just some of the turn's tokens)."""
+        store = self.cache.layers[layer]
+        return positional_attention(q, self.cache.positions(q.shape[1]), store.keys, store.values, store.positions,
+                                    None, scaling)
+
+    def _reorganise(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, cand) -> None:
+        """Make the selection (slots (Hkv, kept) into [device slots, read-back slots]) the primary set:
+        promote the cold tokens it took, demote the device tokens it left, rebuild the decode set."""
+        cache = self.cache
+        store, cold = cache.layers[layer], self.cold[layer]
+        t, d = store.length, store.keys.shape[-1]
+        keys, values = store.keys, store.values
+        from_cold = slots >= t
+        if cand is not None and cand[0].shape[1]:
+            keys, values = torch.cat([keys, cand[0]], dim=1), torch.cat([values, cand[1]], dim=1)
+            cold_slot = torch.gather(cand[4], 1, (slots - t).clamp(min=0))
+            cold.promote(torch.where(from_cold, cold_slot, -1))
+            cache.readmitted += int(from_cold.sum())
+        idx = slots.unsqueeze(-1).expand(-1, -1, d)
+        new_k, new_v = torch.gather(keys, 1, idx), torch.gather(values, 1, idx)
+        kept = torch.zeros(slots.shape[0], t + 1, dtype=torch.bool, device=slots.device)
+        kept.scatter_(1, torch.where(from_cold, t, slots), True)
+        cache.traffic.bytes_demoted += cold.demote(store.keys, store.values, store.positions, ~kept[:, :t])
+        store.replace(new_k, new_v, positions)
+        cache.selected(layer, store, scores)
+
+    def _read_candidates(self, layer: int, q_win: torch.Tensor, window, scaling: float):
+        """The cold pages this turn scores, read from the tiers: keys, values (Hkv, M, d), positions,
+        alive, flat cold slots (Hkv, M). ``exhaustive``: all pages with cold tokens; ``digest``: the
+        pages whose bounds rank highest, a budgeted number per KV head. ``window``: the window rows'
+        attention part over the device keys (its normaliser bounds the final one).
+        Runs on the page reader's thread while the model thread attends with the other rows."""
+        cache, policy = self.cache, self.tiers.policy
+        cold, dev, split = self.cold[layer], cache.spec.device, cache.split
+        if policy.reselect == "exhaustive":
+            return cold.fetch(cold.live_pages(), dev, cache.traffic)
+        kmin, kmax, live, nbytes = cold.digests(dev)
+        cache.traffic.digest_bytes_read += nbytes
+        bounds = page_bounds(q_win, kmin, kmax, window.lse.reshape(kmin.shape[0], -1), scaling)
+        per_head = pages_per_head(policy.candidates, split.prompt_budget, policy.page_tokens)
+        return cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic)
+
+    # --- memory ------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """The pages read back and held until their layer settles."""
+        return sum(p.nbytes() for p in self._pending if p is not None)
+
+    @staticmethod
+    def bound(turn: TurnSize, tiers: TierPolicy) -> int:
+        """The primary set as ``EvictOnce`` bounds it, plus what a turn reads back: every cold page of
+        one layer (keys and values) at a time when ``exhaustive``; else the pages of every layer, held
+        until its first decode step settles the selection, plus one layer's digests and scratch."""
+        kv = turn.token_bytes * turn.kept_after + turn.uncompressed_bytes
+        if tiers.reselect == "exhaustive":
+            return kv + turn.layer_bytes * 2 * (turn.fed + turn.new)
+        pages = pages_per_head(tiers.candidates, turn.split.prompt_budget, tiers.page_tokens)
+        return (kv + turn.token_bytes * min(turn.fed, pages * tiers.page_tokens)
+                + turn.layer_bytes * 2 * (math.ceil(turn.fed / tiers.page_tokens) + turn.new))
+
+    @staticmethod
+    def decode_tokens(turn: TurnSize) -> int:
+        return turn.kept_after
+
+    def cold_tokens(self) -> int:
+        return self.cold[0].alive_count()
+
+    def cold_bytes(self) -> dict[str, int]:
+        host, sid = self.tiers.host, self.tiers.session_id
+        redis = host.redis.session_bytes(sid) if host.redis is not None else 0
+        return {"host": host.session_bytes(sid), "redis": redis}
+
+    def release(self) -> None:
+        self._pending = [None] * len(self._pending)
+        for cold in self.cold:
+            cold.free()
+
+    # --- persistence -------------------------------------------------------------------------
+    def persist(self) -> dict | None:
+        """Write everything Redis lacks (new cold pages, page tables, the primary set); None if Redis is
+        unavailable."""
+        host, sid, cache = self.tiers.host, self.tiers.session_id, self.cache
+        if host.redis is None:
+            return None
+        self.settle()
+        for i, (cold, store) in enumerate(zip(self.cold, cache.layers)):
+            written = host.persist_many(sid, cold.page_ids())
+            if written is None:
+                return None
+            cache.traffic.redis_bytes_written += written
+            blobs = {
+                f"index-l{i}": cold.index_tensors(),
+                f"primary-l{i}": {"keys": store.keys, "values": store.values, "positions": store.positions},
+            }
+            if not host.redis.put_pages(sid, blobs):
+                return None
+            cache.traffic.redis_bytes_written += sum(batch_nbytes(b) for b in blobs.values())
+        return {"cold": [cold.snapshot() for cold in self.cold]}
+
+    def restore(self, state: dict) -> bool:
+        """Rebuild the primary set and the cold bookkeeping from ``persist``'s record and Redis; False if
+        anything is missing."""
+        redis, sid, spec = self.tiers.host.redis, self.tiers.session_id, self.cache.spec
+        if redis is None or len(state.get("cold", [])) != len(self.cache.layers):
+            return False
+        dev = spec.device
+        for i, store in enumerate(self.cache.layers):
+            primary, index = redis.get_pages(sid, [f"primary-l{i}", f"index-l{i}"])
+            if primary is None or index is None:
+                return False
+            store.replace(primary["keys"].to(dev, spec.dtype), primary["values"].to(dev, spec.dtype),
+                          primary["positions"].to(dev))
+            self.cold[i].restore(state["cold"][i], index)
+        # A record outliving one of its pages (a replica killed mid-turn, a key evicted) is not trusted.
+        return redis.has_pages(sid, [pid for cold in self.cold for pid in cold.page_ids()])

@@ -1,0 +1,41 @@
+"""Where a session keeps the tokens its device set does not hold, and how a turn reads them back.
+
+Every cache is made with a ``TierContext``; the modes whose prefill keeps nothing off the device
+ignore it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tiers.codec import PageCodec, RawCodec
+from tiers.host import HostTier
+from tiers.transfers import Transfers
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """How cold tokens are paged and read back, the same for every session of an engine.
+
+    page_tokens: cold tokens per page of one KV head (the unit that moves and has a digest).
+    prefill_attention: the turn's tokens attend over everything the turn read (``dense``) or over
+    the new primary set (``selected``). reselect: a turn reads every cold page (``exhaustive``) or
+    the pages whose digests rank highest (``digest``). candidates: cold tokens' worth of pages a
+    ``digest`` turn reads per KV head, as a fraction of the prompt budget. codec: how pages are stored."""
+
+    page_tokens: int = 32
+    prefill_attention: Literal["dense", "selected"] = "dense"
+    reselect: Literal["digest", "exhaustive"] = "digest"
+    candidates: float = 0.5
+    codec: PageCodec = field(default_factory=RawCodec)
+
+
+@dataclass
+class TierContext:
+    """One session's place in the cold tiers: the host tier (which spills to Redis), its id there,
+    the engine's ``TierPolicy``, and the engine's page reader (None: reads run inline)."""
+
+    host: HostTier
+    session_id: str
+    policy: TierPolicy = field(default_factory=TierPolicy)
+    transfers: Transfers | None = None

@@ -1,0 +1,44 @@
+"""Drive a session cache the way the model runner does, with random queries, keys and values instead
+of a model: a small attention shape, fast on a CPU."""
+from __future__ import annotations
+
+import torch
+
+from rocketkv_mt.cache import CacheSpec, TierContext, TierPolicy
+from tiers.host import HostTier
+
+SPEC = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.float32, device=torch.device("cpu"),
+                 kernels="torch")
+HQ = 4
+SCALING = SPEC.head_dim ** -0.5
+
+
+def tier_context(policy: TierPolicy | None = None, session_id: str = "s") -> TierContext:
+    """A host tier of its own (no Redis), large enough that nothing spills."""
+    return TierContext(host=HostTier(64 << 20, None), session_id=session_id, policy=policy or TierPolicy(page_tokens=8))
+
+
+def random_qkv(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (1, HQ, n, d), k and v (1, Hkv, n, d)."""
+    d, hkv = SPEC.head_dim, SPEC.num_kv_heads
+    return (torch.randn(1, HQ, n, d, generator=gen), torch.randn(1, hkv, n, d, generator=gen),
+            torch.randn(1, hkv, n, d, generator=gen))
+
+
+def forward(cache, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, prefill: bool, max_new: int = 0,
+            on_layer=None, rest: int = 0) -> list[torch.Tensor]:
+    """One model forward: per layer, ``inputs[layer]``'s new tokens attend; ``on_layer(cache)`` after each
+    layer (``rest``: tokens of the same prefill that later forwards feed). Returns each layer's output
+    (1, n, HQ, d)."""
+    cache.begin_forward(inputs[0][0].shape[2], prefill=prefill, max_new=max_new, rest=rest)
+    outs = []
+    for layer, (q, k, v) in enumerate(inputs):
+        outs.append(cache.attend(layer, q, k, v, SCALING))
+        if on_layer is not None:
+            on_layer(cache)
+    cache.end_forward()
+    return outs
+
+
+def layer_inputs(gen: torch.Generator, n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    return [random_qkv(gen, n) for _ in range(SPEC.num_layers)]

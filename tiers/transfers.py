@@ -1,0 +1,52 @@
+"""Moving cold pages towards the device off the model's critical path.
+
+One worker thread per engine does a read's host work (the gather from the pool, Redis round trips)
+while the model thread goes on computing; on CUDA the worker also issues the host-to-device copies
+(pinned source, ``non_blocking``) on a side stream, so they overlap the kernels of the main stream.
+``wait`` hands the result over: the main stream waits for the side stream's copies, and the tensors
+are recorded as in use there so the allocator does not reuse them early.
+
+The model thread and the worker never touch a tier at the same time: the model thread starts a read
+and then only computes until it waits for it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class Transfers:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rkv-pages")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+        """Run ``fn`` (a read that returns a tuple) on the worker thread."""
+        return self._worker.submit(self._on_side_stream, fn)
+
+    def _on_side_stream(self, fn: Callable[[], T]) -> T:
+        if self._stream is None:
+            with torch.inference_mode():
+                return fn()
+        with torch.inference_mode(), torch.cuda.stream(self._stream):
+            return fn()
+
+    def wait(self, fut: concurrent.futures.Future) -> T:
+        """The read's result, safe to use on the current stream (re-raises the read's error)."""
+        out = fut.result()
+        if self._stream is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_stream(self._stream)
+            for t in out:
+                if getattr(t, "is_cuda", False):
+                    t.record_stream(main)
+        return out
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
