@@ -96,6 +96,13 @@ class Settings(BaseSettings):
         "if it fits with what the other sessions hold, after parking least recently used idle sessions "
         "off the device; otherwise it is refused with `device_memory_exhausted`.",
     )
+    prefill_chunk: int = Field(
+        512,
+        ge=0,
+        description="Most prefill tokens one model step carries: a longer prefill runs as several steps, each "
+        "also carrying the decode tokens of the sessions generating meanwhile (compression waits for its last "
+        "chunk; same tokens as whole). 0: a prefill always runs whole, in one step.",
+    )
     kernels: Literal["auto", "torch", "triton", "native"] = Field(
         "auto",
         description="'auto' uses Triton kernels for CUDA tensors and, on CPU, the native C kernel for HSA's "

@@ -282,6 +282,8 @@ async def run(args) -> dict:
 
 
 def main(args) -> int:
+    if args.sessions is None:
+        args.sessions = 16
     result = asyncio.run(run(args))
     write_json(result, args.json_out)
     return 0 if result["errors"] == 0 else 1

@@ -40,9 +40,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.needle"))
 
-    p = bench.add_parser("serve", help="load test of a running server: S concurrent WebSocket sessions, then one at a time")
+    p = bench.add_parser("serve", help="load test of a running server: S concurrent WebSocket sessions, then one at a "
+                         "time; or (--stall) how long a long first message pauses the replies other sessions stream")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (http://host:port)")
-    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--sessions", type=int, default=None, help="concurrent sessions (default 16; 8 with --stall)")
     p.add_argument("--turns", type=int, default=3, help="short turns per session after its context message")
     p.add_argument("--context", type=int, default=1000, help="tokens of filler in each session's first message")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn (greedy)")
@@ -50,8 +51,16 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--budget", type=int, default=None, help="RocketKV token budget of the sessions")
     p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY` when the server needs one")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time phase")
+    p.add_argument("--stall", action="store_true",
+                   help="instead: the sessions stream long replies, then a long first message arrives in one more "
+                   "session; reports the p95 gap between streamed tokens before it and the longest pause while it "
+                   "is prefilled (bench/serve_stall.py)")
+    p.add_argument("--stall-tokens", type=int, default=7000, help="--stall: tokens of the long first message")
+    p.add_argument("--stall-reply-tokens", type=int, default=2048, help="--stall: max tokens of the streamed replies")
+    p.add_argument("--stall-baseline", type=float, default=20.0,
+                   help="--stall: seconds of streaming measured before the long message is sent")
     p.add_argument("--json", dest="json_out", default=None)
-    p.set_defaults(func=_run("bench.serve_load"))
+    p.set_defaults(func=_run_serve)
 
     p = bench.add_parser("capacity", help="sessions of an N-token history that fit on the device, per mode")
     p.add_argument("--context", type=int, default=8000)
@@ -156,6 +165,10 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--details", action="store_true", help="include every reply in the JSON")
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.eval_mt"))
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    return _run("bench.serve_stall" if args.stall else "bench.serve_load")(args)
 
 
 def _run(module: str):

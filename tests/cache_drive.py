@@ -26,10 +26,11 @@ def random_qkv(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def forward(cache, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, prefill: bool, max_new: int = 0,
-            on_layer=None) -> list[torch.Tensor]:
+            on_layer=None, rest: int = 0) -> list[torch.Tensor]:
     """One model forward: per layer, ``inputs[layer]``'s new tokens attend; ``on_layer(cache)`` after each
-    layer. Returns each layer's output (1, n, HQ, d)."""
-    cache.begin_forward(inputs[0][0].shape[2], prefill=prefill, max_new=max_new)
+    layer (``rest``: tokens of the same prefill that later forwards feed). Returns each layer's output
+    (1, n, HQ, d)."""
+    cache.begin_forward(inputs[0][0].shape[2], prefill=prefill, max_new=max_new, rest=rest)
     outs = []
     for layer, (q, k, v) in enumerate(inputs):
         outs.append(cache.attend(layer, q, k, v, SCALING))

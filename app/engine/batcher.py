@@ -6,10 +6,16 @@ thread loops:
 
 1. one queued job, if any (a cache lifecycle operation: restore, park, persist), alternating with
    steps so that neither starves;
-2. one step: the pending decode token of every session generating now, plus the oldest waiting
-   prefill(s) (up to ``max_prefill_tokens`` new tokens, always at least one prefill), packed into
-   one forward (``ModelRunner.step``). A new turn's prefill thus joins the running decodes: they
-   are held up for one step, the one that carries it.
+2. one step: the pending decode token of every session generating now, plus prefill tokens of the
+   oldest waiting turn(s), packed into one forward (``ModelRunner.step``). A step carries at most
+   ``prefill_chunk`` prefill tokens (``MAX_PREFILL_TOKENS`` when chunking is off, and then always at
+   least one whole prefill): a longer prefill is split into chunks fed by consecutive steps, each of
+   which also carries the decode tokens of the sessions generating meanwhile, so they keep
+   streaming while it is fed (the cache defers its compression to the last chunk, see
+   ``SessionCache``; a cache that cannot split its prefill is fed whole).
+
+Between two chunks, the turn's ``PrefillGate`` is checked and the caller's cancellation seen: a
+stopped prefill takes its chunks back (``SessionCache.undo_chunks``), leaving the cache as before.
 
 Before a step, the thread waits briefly (a fraction of the last step's time) until every session
 in its decode phase has asked for its next token, so that they stay in one batch rather than
@@ -30,54 +36,25 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from app.engine.model_runner import ModelRunner, Segment
 from app.engine.sampling import Sampler, sample_batch
+from app.engine.steps import BatchStats, PrefillAbandoned, PrefillGate, Request, take
 from rocketkv_mt.cache import SessionCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAX_PREFILL_TOKENS = 512  # prefill tokens packed into one step beyond the first prefill
+MAX_PREFILL_TOKENS = 512  # prefill tokens packed into one step beyond the first prefill, without chunking
 GATHER_FRACTION = 0.25  # wait for stragglers at most this fraction of the last step's time
 GATHER_MIN_S, GATHER_MAX_S = 0.001, 0.05
 
 
 class EngineClosed(RuntimeError):
     pass
-
-
-@dataclass
-class _Request:
-    key: str  # the session id, for accounting
-    segment: Segment
-    sampler: Sampler  # how its next token is drawn
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-@dataclass
-class BatchStats:
-    steps: int = 0  # forwards run
-    decode_tokens: int = 0  # decode segments over all steps
-    decode_steps: int = 0  # steps with at least one decode segment
-    prefill_tokens: int = 0
-    prefills: int = 0
-    max_batch: int = 0  # most segments in one step
-    mixed_steps: int = 0  # steps that carried a prefill together with decode tokens
-    jobs: int = 0
-    failed_segments: int = 0  # segments whose cache raised (only that session failed)
-    failed_steps: int = 0  # forwards that raised outside the caches (every segment failed)
-    busy_s: float = 0.0  # time spent in steps and jobs
-
-    def as_dict(self) -> dict[str, Any]:
-        out = dict(vars(self))
-        out["mean_decode_batch"] = round(self.decode_tokens / max(1, self.decode_steps), 2)
-        out["busy_s"] = round(self.busy_s, 3)
-        return out
 
 
 class Batcher:
@@ -87,18 +64,19 @@ class Batcher:
         self,
         runner: ModelRunner,
         on_step: Callable[[list[str]], None] | None = None,
-        max_prefill_tokens: int = MAX_PREFILL_TOKENS,
+        prefill_chunk: int = 0,
         threads: int | None = None,
     ):
         self.runner = runner
         self.on_step = on_step
-        self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk = prefill_chunk  # 0: prefills are never split
+        self.step_tokens = prefill_chunk or MAX_PREFILL_TOKENS
         self.threads = threads
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
-        self._prefills: deque[_Request] = deque()
-        self._decodes: list[_Request] = []
+        self._prefills: deque[Request] = deque()
+        self._decodes: list[Request] = []
         self._decoding = 0  # sessions between their prefill and the end of their turn
         self._last_step_s = 0.0
         self._closed = False
@@ -121,14 +99,22 @@ class Batcher:
         """Run ``fn`` on the model thread and return its result."""
         return await _wait(self.submit(fn))
 
-    async def prefill(self, key: str, cache: SessionCache, ids: list[int], max_new: int, sampler: Sampler) -> int:
-        """Feed a turn's new tokens; returns the token drawn after the last one."""
-        segment = Segment(cache, list(ids), prefill=True, max_new=max_new)
-        return await self._request(_Request(key, segment, sampler), True)
+    async def prefill(
+        self, key: str, cache: SessionCache, ids: list[int], max_new: int, sampler: Sampler,
+        gate: PrefillGate | None = None,
+    ) -> int:
+        """Feed a turn's new tokens; returns the token drawn after the last one.
+
+        Fed in chunks, it checks ``gate`` between two of them: when the check raises, or the caller
+        is cancelled, the chunks are taken back (``gate.undone``) and this raises that exception
+        (or the cancellation)."""
+        return await self._request(
+            Request(key, cache, list(ids), prefill=True, max_new=max_new, gate=gate, sampler=sampler)
+        )
 
     async def decode(self, key: str, cache: SessionCache, token: int, sampler: Sampler) -> int:
         """Feed one generated token; returns the next one."""
-        return await self._request(_Request(key, Segment(cache, [token]), sampler), False)
+        return await self._request(Request(key, cache, [token], sampler=sampler))
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
@@ -142,13 +128,13 @@ class Batcher:
                 self._decoding -= 1
                 self._cond.notify()
 
-    async def _request(self, req: _Request, prefill: bool) -> int:
+    async def _request(self, req: Request) -> int:
         with self._cond:
             if self._closed:
                 raise EngineClosed("the engine is closed")
-            (self._prefills.append if prefill else self._decodes.append)(req)
+            (self._prefills.append if req.prefill else self._decodes.append)(req)
             self._cond.notify()
-        return await _wait(req.future)
+        return await _wait(req.future, req)
 
     def close(self) -> None:
         with self._cond:
@@ -192,16 +178,35 @@ class Batcher:
                 break
             self._cond.wait(left)
 
-    def _take(self) -> list[_Request]:
-        batch, self._decodes = self._decodes, []
-        budget = self.max_prefill_tokens
-        first = True
-        while self._prefills and (first or len(self._prefills[0].segment.ids) <= budget):
-            req = self._prefills.popleft()
-            budget -= len(req.segment.ids)
-            batch.append(req)
-            first = False
+    def _take(self) -> list[tuple[Request, Segment]]:
+        """The step's segments (lock held); see ``take``."""
+        batch = take(self._decodes, self._prefills, self.step_tokens, chunking=self.prefill_chunk > 0)
+        self._decodes = []
         return batch
+
+    def _stopped(self, req: Request) -> bool:
+        """Model thread, before a chunk that continues a prefill: stop it there if its turn asks to
+        (``gate.check`` raises) or its caller is gone; its chunks are taken back."""
+        if not req.prefill or req.fed == 0:
+            return False
+        try:
+            if req.abandoned:
+                raise PrefillAbandoned("the caller is gone")
+            if req.gate is not None:
+                req.gate.check()
+            return False
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            reason: BaseException = exc
+        try:
+            req.cache.undo_chunks()
+        except Exception as exc:  # noqa: BLE001 - the cache is half-undone: it fails as a cache failure does
+            reason = exc
+        else:
+            if req.gate is not None:
+                req.gate.undone = True
+            self.stats.prefills_stopped += 1
+        self._fail(req, reason)
+        return True
 
     def _run_job(self, fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -215,42 +220,55 @@ class Batcher:
             self.stats.jobs += 1
             self.stats.busy_s += time.perf_counter() - t0
 
-    def _run_step(self, batch: list[_Request]) -> None:
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        """End a request with ``exc``; a prefill fed in part leaves the queue."""
+        with self._cond:
+            if req in self._prefills:
+                self._prefills.remove(req)
+        req.future.set_exception(exc)
+
+    def _run_step(self, batch: list[tuple[Request, Segment]]) -> None:
+        batch = [(r, s) for r, s in batch if not self._stopped(r)]
+        if not batch:
+            return
         t0 = time.perf_counter()
-        segments = [r.segment for r in batch]
         try:
-            logits, errors = self.runner.step(segments)
-            ok = [i for i in range(len(batch)) if i not in errors]
-            rows = logits if len(ok) == len(batch) else logits[ok]
-            tokens = dict(zip(ok, sample_batch(rows, [batch[i].sampler for i in ok]) if ok else []))
+            logits, errors = self.runner.step([s for _, s in batch])
+            # Only a segment that ends its request draws a token (a prefill's earlier chunks do not).
+            done = [i for i, (_, s) in enumerate(batch) if i not in errors and not s.rest]
+            rows = logits if len(done) == len(batch) else logits[done]
+            tokens = dict(zip(done, sample_batch(rows, [batch[i][0].sampler for i in done]) if done else []))
         except BaseException as exc:  # noqa: BLE001 - the model failed: every segment of the step did
             log.exception("a batched step of %d segments failed", len(batch))
             self.stats.failed_steps += 1
-            for r in batch:
-                r.future.set_exception(exc)
+            for r, _ in batch:
+                self._fail(r, exc)
             self._account(batch, t0)
             return
-        for i, r in enumerate(batch):
+        for i, (r, s) in enumerate(batch):
             if i in errors:
                 self.stats.failed_segments += 1
-                r.future.set_exception(errors[i])
+                self._fail(r, errors[i])
+            elif s.rest:
+                r.fed += len(s.ids)  # the prefill stays first in the queue for its next chunk
             else:
                 r.future.set_result(tokens[i])
         self._account(batch, t0)
 
-    def _account(self, batch: list[_Request], t0: float) -> None:
+    def _account(self, batch: list[tuple[Request, Segment]], t0: float) -> None:
         st = self.stats
         st.steps += 1
         st.max_batch = max(st.max_batch, len(batch))
-        prefills = sum(1 for r in batch if r.segment.prefill)
-        st.prefills += prefills
-        st.prefill_tokens += sum(len(r.segment.ids) for r in batch if r.segment.prefill)
-        st.decode_tokens += len(batch) - prefills
-        st.decode_steps += prefills < len(batch)
-        st.mixed_steps += bool(prefills and prefills < len(batch))
+        prefills = [s for _, s in batch if s.prefill]
+        st.prefills += sum(1 for s in prefills if not s.rest)
+        st.prefill_chunks += sum(1 for s in prefills if s.rest)
+        st.prefill_tokens += sum(len(s.ids) for s in prefills)
+        st.decode_tokens += len(batch) - len(prefills)
+        st.decode_steps += len(prefills) < len(batch)
+        st.mixed_steps += bool(prefills and len(prefills) < len(batch))
         if self.on_step is not None:
             try:
-                self.on_step([r.key for r in batch])
+                self.on_step([r.key for r, _ in batch])
             except Exception:  # noqa: BLE001 - accounting must not break serving
                 log.exception("step accounting failed")
         self._last_step_s = time.perf_counter() - t0
@@ -267,12 +285,17 @@ class Batcher:
                 fut.set_exception(EngineClosed("the engine is closed"))
 
 
-async def _wait(fut: concurrent.futures.Future) -> Any:
+async def _wait(fut: concurrent.futures.Future, req: Request | None = None) -> Any:
     """Await a model-thread future; a cancelled caller still waits for the work to end (the cache
-    it touches must not be used or changed meanwhile), then sees its cancellation."""
+    it touches must not be used or changed meanwhile; a prefill in chunks ends at the next
+    boundary), then sees its cancellation."""
     afut = asyncio.wrap_future(fut)
     try:
         return await asyncio.shield(afut)
     except asyncio.CancelledError:
+        if req is not None:
+            req.abandoned = True
         await asyncio.wait([afut])
+        if not afut.cancelled():
+            afut.exception()  # seen here: nobody else will ask for it
         raise

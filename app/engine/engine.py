@@ -4,7 +4,9 @@
 ``TextDelta`` events as text becomes final and ends with exactly one ``TurnDone``. Errors in the
 request raise an ``EngineError`` before anything is yielded and leave the session unchanged.
 Closing the iterator early (or ``Engine.cancel``) ends the turn as ``cancelled``; the partial
-reply is kept in the history, marked ``cancelled``.
+reply is kept in the history, marked ``cancelled``. A turn stopped between two chunks of its
+prefill (a cancel, a closed iterator, a device-memory refusal) is undone instead: the session is
+as it was before it (a cancel still ends with a ``cancelled`` ``TurnDone``).
 
 All model work runs on one model thread (``Batcher``): the decode steps of every session generating
 at the same time are one batched forward, and a new turn's prefill joins that forward. Device
@@ -76,7 +78,9 @@ class Engine(TurnLoop, DeviceResidency):
         self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec, self.tier_policy)
         self.parking = True  # make room for a turn by parking idle sessions (else refuse it)
         # One model thread: the model steps of all sessions run there, batched (app/engine/batcher.py).
-        self.batcher = Batcher(self.runner, on_step=self._after_step, threads=settings.threads)
+        self.batcher = Batcher(
+            self.runner, on_step=self._after_step, prefill_chunk=settings.prefill_chunk, threads=settings.threads
+        )
 
     # --- sessions ----------------------------------------------------------------------------
     @property

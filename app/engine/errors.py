@@ -14,6 +14,11 @@ from app.contract.errors import (
     UnknownMode,
 )
 
+
+class TurnCancelled(Exception):
+    """Raised inside the engine to stop a turn between two chunks of its prefill (never to callers)."""
+
+
 __all__ = [
     "ChatError",
     "ContextLengthExceeded",
@@ -26,5 +31,6 @@ __all__ = [
     "MessageTooLarge",
     "SessionBusy",
     "SessionNotFound",
+    "TurnCancelled",
     "UnknownMode",
 ]

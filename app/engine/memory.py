@@ -8,6 +8,9 @@ engine parks idle sessions to make room, or refuses the turn. The bound (``turn_
 upper bound of the session's ``device_bytes()`` at every step of the turn, plus the per-layer
 scratch its prefill needs (history keys and values streamed in for one layer at a time); each
 mode declares its own (``rocketkv_mt.cache.CacheMode.device_bound``), so nothing here knows a mode.
+A prefill fed in chunks holds more than that while it is fed (its new tokens sit in every layer
+until the last chunk compresses them): the difference is the turn's ``chunking`` extra; the
+batcher feeds one prefill in chunks at a time, so only the largest of these extras is committed.
 Actual totals are taken after every model step (``observe``); ``overruns`` counts sessions found
 above their reservation (a bound that does not hold; expected to stay 0).
 """
@@ -33,6 +36,7 @@ class DeviceMemory:
         self.head_dim = spec.head_dim
         self.held: dict[str, int] = {}  # device_bytes() of each session's cache, as last measured
         self.reserved: dict[str, int] = {}  # bound of each generating session's turn
+        self.chunking: dict[str, int] = {}  # what a turn's chunked prefill may hold beyond that, until it ends
         self.peak = 0
         self.current = 0
         self.parks = 0
@@ -40,9 +44,10 @@ class DeviceMemory:
         self.overruns = 0
 
     # --- bounds --------------------------------------------------------------------------------
-    def turn_size(self, session: "Session", n_new: int, max_new: int) -> TurnSize:
+    def turn_size(self, session: "Session", n_new: int, max_new: int, prefill_chunk: int = 0) -> TurnSize:
         """The sizes of a turn that adds ``n_new`` tokens to the session's history (not yet in
-        ``session.token_ids``) and generates up to ``max_new``."""
+        ``session.token_ids``) and generates up to ``max_new``, its prefill split into chunks of
+        ``prefill_chunk`` tokens (0: never split)."""
         cache = session.cache
         if cache is not None:
             fed, kept = cache.history_len, cache.kept_tokens()
@@ -56,32 +61,42 @@ class DeviceMemory:
         m = max(0, min(max_new, total - 1))
         return TurnSize(
             fed=fed, kept=kept, new=n, total=total, decode=m, split=session.rocket.split(total, m, self.head_dim),
-            token_bytes=self.per_token, layer_bytes=self.per_layer_token,
+            token_bytes=self.per_token, layer_bytes=self.per_layer_token, chunked=0 < prefill_chunk < n,
         )
 
-    def turn_bound(self, session: "Session", n_new: int, max_new: int) -> int:
+    def turn_bound(self, session: "Session", n_new: int, max_new: int, prefill_chunk: int = 0) -> int:
         """Upper bound of the session's device bytes while that turn runs: its mode's bound, and never
-        less than what the session holds plus one layer of the new tokens."""
-        turn = self.turn_size(session, n_new, max_new)
+        less than what the session holds plus the new tokens not compressed yet (one layer of them, or
+        every layer while a chunked prefill is fed)."""
+        turn = self.turn_size(session, n_new, max_new, prefill_chunk)
         held = session.cache.device_bytes() if session.cache is not None else 0
-        return max(cache_mode(session.mode).device_bound(turn, self.tiers), held + self.per_layer_token * turn.new)
+        return max(cache_mode(session.mode).device_bound(turn, self.tiers), held + turn.uncompressed_bytes)
 
     # --- accounting ----------------------------------------------------------------------------
-    def committed(self, session_ids: Iterable[str], exclude: str | None = None) -> int:
-        """Bytes the sessions hold or have reserved (a generating session counts at its bound)."""
-        return sum(
-            max(self.held.get(sid, 0), self.reserved.get(sid, 0)) for sid in session_ids if sid != exclude
+    def committed(self, session_ids: Iterable[str], exclude: str | None = None, chunking: int = 0) -> int:
+        """Bytes the sessions hold or have reserved (a generating session counts at its bound), plus the
+        largest extra of a chunked prefill among theirs and ``chunking`` (the next turn's)."""
+        ids = [sid for sid in session_ids if sid != exclude]
+        extras = [self.chunking.get(sid, 0) for sid in ids]
+        held = sum(
+            max(self.held.get(sid, 0) - extra, self.reserved.get(sid, 0)) for sid, extra in zip(ids, extras)
         )
+        return held + max([chunking, *extras])
+
+    def outgrown(self, session_id: str) -> bool:
+        """Whether a generating session holds more than its turn reserved (its bound did not hold)."""
+        reserved = self.reserved.get(session_id)
+        return reserved is not None and self.held.get(session_id, 0) > reserved + self.chunking.get(session_id, 0)
 
     def set_held(self, session_id: str, nbytes: int) -> None:
         self.held[session_id] = int(nbytes)
-        reserved = self.reserved.get(session_id)
-        if reserved is not None and nbytes > reserved:
+        if self.outgrown(session_id):
             self.overruns += 1
 
     def forget(self, session_id: str) -> None:
         self.held.pop(session_id, None)
         self.reserved.pop(session_id, None)
+        self.chunking.pop(session_id, None)
 
     def observe(self, session_ids: Iterable[str]) -> int:
         """Total held by these sessions now; raises the peak."""
@@ -97,7 +112,7 @@ class DeviceMemory:
         return {
             "device_budget_bytes": self.budget,
             "device_bytes_held": self.current,
-            "device_bytes_reserved": sum(self.reserved.values()),
+            "device_bytes_reserved": sum(self.reserved.values()) + max(self.chunking.values(), default=0),
             "peak_device_bytes": self.peak,
             "sessions_parked_total": self.parks,
             "turns_refused_device_memory": self.refusals,

@@ -19,6 +19,7 @@ class Segment:
     ids: list[int]
     prefill: bool = False
     max_new: int = 0
+    rest: int = 0  # tokens of the same prefill that later steps feed (a prefill split into chunks)
 
 
 class ModelRunner:
@@ -72,7 +73,7 @@ class ModelRunner:
         ok = []
         for i, s in enumerate(segments):
             try:
-                s.cache.begin_forward(len(s.ids), prefill=s.prefill, max_new=s.max_new)
+                s.cache.begin_forward(len(s.ids), prefill=s.prefill, max_new=s.max_new, rest=s.rest)
                 ok.append(i)
             except Exception as exc:  # noqa: BLE001 - that session fails alone
                 errors[i] = exc

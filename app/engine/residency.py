@@ -14,6 +14,7 @@ from app.engine.batcher import Batcher
 from app.engine.errors import DeviceMemoryExhausted
 from app.engine.memory import DeviceMemory
 from app.engine.session import Session
+from app.settings import Settings
 from rocketkv_mt.cache import SessionCache
 from rocketkv_mt.config import RocketKVConfig
 from tiers.redis_tier import RedisTier
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 class DeviceResidency:
     # The engine's state this works on (set by ``Engine.__init__``).
+    settings: Settings
     _sessions: dict[str, Session]
     memory_account: DeviceMemory
     batcher: Batcher
@@ -34,8 +36,11 @@ class DeviceResidency:
         """Reserve device memory for a turn, parking idle sessions if needed, or refuse it."""
         mem = self.memory_account
         need = mem.turn_bound(session, n_new, max_new)
+        # What a chunked prefill holds beyond that until its last chunk (only the largest is committed:
+        # the batcher feeds one prefill in chunks at a time).
+        extra = mem.turn_bound(session, n_new, max_new, prefill_chunk=self.settings.prefill_chunk) - need
         if mem.budget:
-            committed = mem.committed(self._sessions, exclude=session.id)
+            committed = mem.committed(self._sessions, exclude=session.id, chunking=extra)
             victims: list[Session] = []
             if committed + need > mem.budget and self.parking:
                 idle = sorted(
@@ -58,7 +63,7 @@ class DeviceResidency:
                 )
             for victim in victims:
                 self._park(victim)
-        mem.reserved[session.id] = need
+        mem.reserved[session.id], mem.chunking[session.id] = need, extra
 
     def _park(self, session: Session) -> None:
         """Take an idle session's cache off the device; its next turn restores it (or re-prefills)."""

@@ -1,7 +1,9 @@
 """A turn through the engine: its checks, then prefill and decode on the model thread, streamed.
 
 ``chat`` validates a turn, admits it within the device budget and returns the async iterator of its
-events (``TextDelta``s, then one ``TurnDone``); ``_run_turn`` is that iterator. A mixin of ``Engine``
+events (``TextDelta``s, then one ``TurnDone``); ``_run_turn`` is that iterator. A turn stopped
+between two chunks of its prefill (``_between_chunks``, or its caller gone) is undone: the session
+is as it was before it, its feed log included. A mixin of ``Engine``
 (``app.engine.engine``), working on the engine's state named below.
 """
 from __future__ import annotations
@@ -17,10 +19,12 @@ from app.engine.chat_format import ChatFormat
 from app.engine.detokenizer import Detokenizer
 from app.engine.errors import (
     ContextLengthExceeded,
+    DeviceMemoryExhausted,
     EmptyMessage,
     MaxTokensTooLarge,
     MessageTooLarge,
     SessionBusy,
+    TurnCancelled,
 )
 from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
 from app.engine.memory import DeviceMemory
@@ -28,6 +32,7 @@ from app.engine.model_runner import ModelRunner
 from app.engine.replay import replay, replayable
 from app.engine.sampling import SamplingParams, make_generator
 from app.engine.session import Feed, Session, TurnStats
+from app.engine.steps import PrefillGate
 from app.settings import Settings
 from rocketkv_mt.cache import SessionCache
 from tiers.host import ChunkUnavailable
@@ -108,6 +113,7 @@ class TurnLoop:
         self, session: Session, content: str, new_ids: list[int], params: SamplingParams, max_new: int
     ) -> AsyncIterator[TextDelta | TurnDone]:
         t0 = time.perf_counter()
+        before = len(session.messages), len(session.token_ids)
         session.messages.append({"role": "user", "content": content})
         session.token_ids.extend(new_ids)
         stats = TurnStats(prompt_tokens=len(session.token_ids), prefilled_tokens=0)
@@ -115,6 +121,8 @@ class TurnLoop:
         sampler = (params, make_generator(params, self.runner.device))  # drawn on the model thread
         finish = "length"
         generated: list[int] = []
+        # Between two chunks of the prefill a cancel (or a refusal) stops the turn and undoes it.
+        gate = PrefillGate(lambda: self._between_chunks(session))
         try:
             if session.cache is None:  # parked, restored from Redis, or after a failed step
                 await self._step(lambda: self._materialize(session))
@@ -125,7 +133,7 @@ class TurnLoop:
             prefill_ids = session.token_ids[fed:]
             stats.prefilled_tokens = len(prefill_ids)
             try:
-                token = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, sampler)
+                token = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, sampler, gate)
             except ChunkUnavailable as exc:
                 # Part of the cold history is unreadable (spilled to Redis, which is down now): the token
                 # ids still hold all of it, so this same turn rebuilds the cache from them, exactly
@@ -139,8 +147,9 @@ class TurnLoop:
                 session.feeds = list(feeds)
                 prefill_ids = session.token_ids[cache.history_len :]
                 stats.prefilled_tokens = len(session.token_ids)
-                token = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, sampler)
+                token = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, sampler, gate)
             session.feeds.append(Feed(len(prefill_ids), max_new))
+            self.memory_account.chunking.pop(session.id, None)  # compressed: back within its bound
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
             with self.batcher.decoding():
                 while True:
@@ -165,20 +174,54 @@ class TurnLoop:
         except (GeneratorExit, asyncio.CancelledError):
             finish = "cancelled"
             raise
-        except Exception:
-            log.exception("turn failed in session %s; its cache will be rebuilt", session.id)
-            failed, session.cache = session.cache, None
-            self.memory_account.set_held(session.id, 0)
-            if failed is not None:
-                await self._step(lambda: self._release_quietly(session, failed))
-            finish = "error"
-            raise
+        except Exception as exc:
+            if gate.undone:  # stopped between two chunks of the prefill (undone below)
+                if not isinstance(exc, TurnCancelled):
+                    raise  # a refusal, before anything was yielded
+            else:
+                log.exception("turn failed in session %s; its cache will be rebuilt", session.id)
+                failed, session.cache = session.cache, None
+                self.memory_account.set_held(session.id, 0)
+                if failed is not None:
+                    await self._step(lambda: self._release_quietly(session, failed))
+                finish = "error"
+                raise
         finally:
-            self._finish_turn(session, detok, generated, finish, stats, t0)
+            if gate.undone:
+                self._undo_turn(session, before, stats, t0)
+            else:
+                self._finish_turn(session, detok, generated, finish, stats, t0)
+        if gate.undone:
+            yield self._done_event(session, stats, "")
+            return
         tail = detok.flush()
         if tail:
             yield TextDelta(tail)
         yield self._done_event(session, stats, detok.text)
+
+    def _between_chunks(self, session: Session) -> None:
+        """Model thread, between two chunks of a turn's prefill: a cancel ends the turn there, and so
+        does a cache found past the device memory reserved for its turn (the bound did not hold)."""
+        if session.cancel_requested:
+            raise TurnCancelled("cancelled while the message was prefilled")
+        mem = self.memory_account
+        if mem.budget and mem.outgrown(session.id):
+            mem.refusals += 1
+            raise DeviceMemoryExhausted(
+                "this turn's prefill outgrew the device memory reserved for it; the session is unchanged, retry later"
+            )
+
+    def _undo_turn(self, session: Session, before: tuple[int, int], stats: TurnStats, t0: float) -> None:
+        """A turn stopped before its prefill ended: the session is as it was before it (its cache's
+        chunks were taken back, no feed was logged); only the returned stats tell of it."""
+        del session.messages[before[0] :], session.token_ids[before[1] :]
+        stats.finish_reason, stats.latency_ms = "cancelled", (time.perf_counter() - t0) * 1000
+        if session.cache is not None:
+            self.memory_account.set_held(session.id, session.cache.device_bytes())
+        self.memory_account.reserved.pop(session.id, None)
+        self.memory_account.chunking.pop(session.id, None)
+        session.busy = False
+        session.cancel_requested = False
 
     def _finish_turn(
         self, session: Session, detok: Detokenizer, generated: list[int], finish: str, stats: TurnStats, t0: float
@@ -204,6 +247,7 @@ class TurnLoop:
             stats.readmitted_tokens = session.cache.readmitted_tokens()
             self.memory_account.set_held(session.id, stats.device_bytes)
         self.memory_account.reserved.pop(session.id, None)
+        self.memory_account.chunking.pop(session.id, None)
         session.turns.append(stats)
         session.busy = False
         session.cancel_requested = False

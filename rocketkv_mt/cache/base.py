@@ -32,6 +32,7 @@ class ForwardStep:
     prefill: bool
     max_new: int = 0
     split: BudgetSplit | None = None
+    rest: int = 0  # tokens of the same prefill that later forwards feed (a prefill split into chunks)
 
 
 @dataclass
@@ -49,6 +50,12 @@ class SessionCache(Protocol):
     The engine calls ``begin_forward`` before each model forward and ``end_forward`` after it; in
     between, the registered attention function calls ``attend`` once per layer with that layer's
     new queries/keys/values (keys after RoPE, at their true history positions).
+
+    A turn's prefill may be split into chunks, one forward each (``rest`` > 0 until the last): the
+    chunks before the last are appended to every layer uncompressed and attend densely over all the
+    layer holds, so the last chunk finds what a whole prefill would have, and the mode's end of
+    prefill (Stage 1 over the turn's window, KT, re-selection) runs once, there. Until then
+    ``undo_chunks`` takes the chunks back.
     """
 
     mode: str
@@ -61,9 +68,21 @@ class SessionCache(Protocol):
     timer: AttentionTimer
     traffic: Traffic  # bytes this cache moved between tiers in its last turn
 
-    def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0) -> None: ...
+    def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0, rest: int = 0) -> None:
+        """``rest``: tokens of this prefill that later forwards feed (0: this forward ends it)."""
+        ...
 
     def end_forward(self) -> None: ...
+
+    def last_chunk_min(self) -> int | None:
+        """Fewest tokens the last forward of a chunked prefill must feed (Stage 1 scores with its last
+        queries), or None when this cache's next prefill cannot be split without changing its result."""
+        ...
+
+    def undo_chunks(self) -> None:
+        """Take back the chunks an unfinished chunked prefill has fed (between two forwards): the cache
+        is as it was before the prefill's first chunk."""
+        ...
 
     def positions(self, n_new: int) -> torch.Tensor:
         """Positions of the next n_new tokens: they continue the whole history, not the kept length."""

@@ -1,11 +1,18 @@
 """The session cache of every mode: the device KV and the turn's sizes, with a prefill policy and a
-decode policy (``rocketkv_mt.cache.policy``) deciding what stays and what each step reads."""
+decode policy (``rocketkv_mt.cache.policy``) deciding what stays and what each step reads.
+
+A prefill fed in chunks (``rest`` > 0 until its last forward) reaches neither policy before its last
+chunk: the earlier chunks are appended to every layer and attend densely over all the layer holds,
+so the last chunk finds the store a whole prefill would have, and the prefill policy selects once,
+there. ``undo_chunks`` takes the earlier chunks back.
+"""
 from __future__ import annotations
 
 import time
 
 import torch
 
+from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.base import AttentionTimer, CacheSpec, ForwardStep
 from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.cache.mode import CacheMode
@@ -33,24 +40,44 @@ class ComposedCache:
         self.timer = AttentionTimer()
         self.traffic = Traffic()  # bytes this cache moved between tiers in its last turn
         self.readmitted = 0  # cold token slots promoted back this turn, over all layers and KV heads
+        # While a chunked prefill is under way: the history length and split from before its first chunk.
+        self._chunked_from: tuple[int, BudgetSplit | None] | None = None
         self.decode = mode.decode(spec)
         self.prefill = mode.prefill(self, tiers)
 
     # --- engine side -------------------------------------------------------------------------
-    def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0) -> None:
+    def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0, rest: int = 0) -> None:
         split = None
         if prefill:
-            self.prefill.begin_turn()
-            split = self.rocket.split(self.history_len + n_new + max_new, max_new, self.spec.head_dim)
+            if self._chunked_from is None:  # the prefill's first forward (its only one, unless chunked)
+                self.prefill.begin_turn()
+                self.readmitted = 0
+                self.traffic.reset()
+                if rest:
+                    self._chunked_from = (self.history_len, self.split)
+            split = self.rocket.split(self.history_len + n_new + rest + max_new, max_new, self.spec.head_dim)
             self.split = split
-            self.readmitted = 0
-            self.traffic.reset()
-        self.step = ForwardStep(n_new=n_new, prefill=prefill, max_new=max_new, split=split)
+        self.step = ForwardStep(n_new=n_new, prefill=prefill, max_new=max_new, split=split, rest=rest)
 
     def end_forward(self) -> None:
         assert self.step is not None
         self.history_len += self.step.n_new
+        if self.step.prefill and not self.step.rest:
+            self._chunked_from = None
         self.step = None
+
+    def last_chunk_min(self) -> int | None:
+        return self.rocket.window_size if self.prefill.chunkable() else None
+
+    @torch.inference_mode()
+    def undo_chunks(self) -> None:
+        if self._chunked_from is None:
+            return
+        (history_len, split), self._chunked_from = self._chunked_from, None
+        fed = self.history_len - history_len
+        for store in self.layers:
+            store.truncate(store.length - fed)
+        self.history_len, self.split = history_len, split
 
     def positions(self, n_new: int) -> torch.Tensor:
         """Positions of the next n_new tokens: they continue the whole history, not the kept length."""
@@ -92,6 +119,9 @@ class ComposedCache:
         self.prefill.before_step(layer)
         self.layers[layer].append(k, v, self.positions(k.shape[1]))
         if self.step is not None and self.step.prefill:
+            if self.step.rest:  # a chunk before the last: nothing is selected until the prefill ends
+                store = self.layers[layer]
+                return dense_attention(q, store.keys, store.values, scaling)
             return self.prefill_attention(layer, q, scaling)
         return self.decode_attention(layer, q, scaling)
 

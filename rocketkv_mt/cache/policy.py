@@ -28,7 +28,8 @@ class TurnSize:
     fed: history the cache holds (its ``history_len``); kept: tokens it holds on the device now;
     new: tokens the turn's prefill feeds; total: fed + new + max new tokens; decode: the decode
     tokens the split reserves room for; split: the turn's sizes. token_bytes / layer_bytes: keys and
-    values of one token over all layers / in one layer."""
+    values of one token over all layers / in one layer. chunked: the prefill is fed in chunks, so
+    its new tokens sit in every layer until the last chunk (``SessionCache.undo_chunks``)."""
 
     fed: int
     kept: int
@@ -38,12 +39,20 @@ class TurnSize:
     split: BudgetSplit
     token_bytes: int
     layer_bytes: int
+    chunked: bool = False
 
     @property
     def kept_after(self) -> int:
         """Tokens a compressed set holds at the turn's end: the prompt budget (or more, if it held
         more already) plus the decode tokens."""
         return max(self.split.prompt_budget, self.kept) + self.decode
+
+    @property
+    def uncompressed_bytes(self) -> int:
+        """Bytes of the new tokens before a prefill compresses them: in one layer at a time (each
+        layer's prefill compresses it before the next layer's runs), or in every layer at once when
+        the prefill is chunked (compression waits for its last chunk)."""
+        return (self.token_bytes if self.chunked else self.layer_bytes) * self.new
 
 
 class CacheState(Protocol):
@@ -127,6 +136,11 @@ class PrefillPolicy(Protocol):
 
     def begin_turn(self) -> None:
         """Before a turn's prefill, while ``CacheState.split`` is still the last turn's."""
+
+    def chunkable(self) -> bool:
+        """Whether the next prefill may be fed in chunks: its earlier chunks attend densely over the
+        layer stores, which must then hold all that the whole prefill's queries would attend to."""
+        return True
 
     def before_step(self, layer: int) -> None:
         """Before a layer's new keys and values are appended to its store."""

@@ -96,6 +96,13 @@ class LayerKV:
         self.append(k, v, positions)
         self._shrink()
 
+    def truncate(self, length: int) -> None:
+        """Drop the tokens appended after the first ``length`` (zeroed: see ``_reserve``)."""
+        for buf in (self._k, self._v, self._pos):
+            buf[:, length : self.length] = 0
+        self.length = length
+        self._shrink()
+
     def _shrink(self) -> None:
         """Give back buffer space far beyond the kept tokens (after an eviction or a re-selection),
         so that what a compressed cache allocates follows what it keeps."""

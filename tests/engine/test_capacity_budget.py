@@ -81,10 +81,14 @@ async def test_turn_that_cannot_fit_is_refused_and_the_session_is_unchanged(make
 
 async def test_parked_tiered_session_comes_back_from_redis_without_reprefill(make_engine, redis_url):
     namespace = f"rkvtest-{secrets.token_hex(3)}"
-    ref = make_engine(mode="tiered")
+    # Whole prefills: a chunked one's bound holds every new token in every layer, and 1.5 times that
+    # would leave room for b's turn next to a compressed a, with nothing to park.
+    ref = make_engine(mode="tiered", prefill_chunk=0)
     text_a, text_b = message(ref, 4, words=500), message(ref, 5, words=500)
     budget = int(1.5 * bound_of_first_turn(ref, "tiered", text_a))
-    engine = make_engine(mode="tiered", device_budget_bytes=budget, redis_url=redis_url, redis_namespace=namespace)
+    engine = make_engine(
+        mode="tiered", prefill_chunk=0, device_budget_bytes=budget, redis_url=redis_url, redis_namespace=namespace
+    )
     a, b = engine.create_session(budget=64), engine.create_session(budget=64)
     ra = ref.create_session(budget=64)
     try:

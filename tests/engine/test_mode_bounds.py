@@ -22,12 +22,17 @@ TURNS = [(180, 6), (30, 5), (120, 3), (4, 12)]
 CASES = [(mode, "digest") for mode in sorted(CACHE_MODES)] + [("tiered", p) for p in TIER_POLICIES if p != "digest"]
 
 
-def run_turn(memory: DeviceMemory, session: Session, gen: torch.Generator, n_new: int, max_new: int) -> tuple[int, int, int]:
-    """One turn as the engine runs it (the last generated token is fed by the next turn's prefill);
-    returns (the mode's declared bound, the memory model's bound, the peak device bytes seen)."""
+def run_turn(
+    memory: DeviceMemory, session: Session, gen: torch.Generator, n_new: int, max_new: int, chunk: int = 0
+) -> tuple[int, int, int, int]:
+    """One turn as the engine runs it (the last generated token is fed by the next turn's prefill), its
+    prefill fed in chunks of ``chunk`` tokens where the cache allows it, the last one keeping at least
+    a window (as ``app.engine.steps.piece`` splits it); returns (the mode's declared bound, the memory
+    model's bound, the peak device bytes seen, the chunks fed before the last)."""
     cache = session.cache
-    declared = cache_mode(session.mode).device_bound(memory.turn_size(session, n_new, max_new), memory.tiers)
-    reserved = memory.turn_bound(session, n_new, max_new)
+    turn = memory.turn_size(session, n_new, max_new, prefill_chunk=chunk)
+    declared = cache_mode(session.mode).device_bound(turn, memory.tiers)
+    reserved = memory.turn_bound(session, n_new, max_new, prefill_chunk=chunk)
     session.token_ids += [0] * n_new
     peak = [0]
 
@@ -35,6 +40,11 @@ def run_turn(memory: DeviceMemory, session: Session, gen: torch.Generator, n_new
         peak[0] = max(peak[0], c.device_bytes())
 
     fed = len(session.token_ids) - cache.history_len
+    last, chunks = cache.last_chunk_min(), 0
+    while chunk and last is not None and fed > chunk and min(chunk, fed - last) > 0:
+        n = min(chunk, fed - last)
+        forward(cache, layer_inputs(gen, n), prefill=True, max_new=max_new, on_layer=measure, rest=fed - n)
+        fed, chunks = fed - n, chunks + 1
     forward(cache, layer_inputs(gen, fed), prefill=True, max_new=max_new, on_layer=measure)
     session.token_ids.append(1)
     for _ in range(max_new - 1):
@@ -42,22 +52,28 @@ def run_turn(memory: DeviceMemory, session: Session, gen: torch.Generator, n_new
         session.token_ids.append(1)
     cache.end_turn()
     measure(cache)
-    return declared, reserved, peak[0]
+    return declared, reserved, peak[0], chunks
 
 
 @pytest.mark.parametrize("mode,tiers", CASES)
 @pytest.mark.parametrize("budget", [24, 4096])
-def test_the_declared_bound_holds_at_every_step(mode, tiers, budget):
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_the_declared_bound_holds_at_every_step(mode, tiers, budget, chunk):
     policy = TIER_POLICIES[tiers]
     rocket = RocketKVConfig(token_budget=budget, window_size=8, kernel_size=5)
     memory = DeviceMemory(0, SPEC, policy)
     session = Session(id=f"bound-{mode}-{tiers}", mode=mode, rocket=rocket, cache=None)
     session.cache = make_cache(mode, SPEC, rocket, tier_context(policy, session.id))
     gen = torch.Generator().manual_seed(11)
+    chunks = 0
     for n_new, max_new in TURNS:
-        declared, reserved, peak = run_turn(memory, session, gen, n_new, max_new)
+        declared, reserved, peak, fed_in_chunks = run_turn(memory, session, gen, n_new, max_new, chunk)
         assert 0 < peak <= declared <= reserved, (n_new, max_new)
+        chunks += fed_in_chunks
         memory.set_held(session.id, session.cache.device_bytes())
     assert memory.overruns == 0
+    # A long first turn is chunked (nothing is cold yet), except where the new tokens attend only to
+    # the selection their window makes.
+    assert (chunks > 0) == (chunk > 0 and tiers != "selected")
     session.cache.release()
 

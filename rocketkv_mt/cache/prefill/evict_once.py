@@ -41,7 +41,7 @@ class EvictOnce(PrefillPolicy):
     def bound(turn: TurnSize, tiers: TierPolicy) -> int:
         """A layer holds its kept tokens plus the new ones only until its own prefill compresses it;
         afterwards at most the prompt budget, then the decode tokens."""
-        return turn.token_bytes * turn.kept_after + turn.layer_bytes * turn.new
+        return turn.token_bytes * turn.kept_after + turn.uncompressed_bytes
 
     @staticmethod
     def decode_tokens(turn: TurnSize) -> int:

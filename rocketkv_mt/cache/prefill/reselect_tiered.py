@@ -60,6 +60,11 @@ class ReselectTiered(PrefillPolicy):
     def begin_turn(self) -> None:
         self.settle()
 
+    def chunkable(self) -> bool:
+        # The cold pages a turn reads, and with ``selected`` what every new token attends to, follow
+        # from the turn's last window: earlier chunks could not attend as the whole prefill does.
+        return self.tiers.policy.prefill_attention != "selected" and not any(cold.has_pages() for cold in self.cold)
+
     def before_step(self, layer: int) -> None:
         if self._pending[layer] is not None:  # the first decode step: the turn's selection takes effect
             self._settle(layer)
@@ -187,7 +192,7 @@ class ReselectTiered(PrefillPolicy):
         """The primary set as ``EvictOnce`` bounds it, plus what a turn reads back: every cold page of
         one layer (keys and values) at a time when ``exhaustive``; else the pages of every layer, held
         until its first decode step settles the selection, plus one layer's digests and scratch."""
-        kv = turn.token_bytes * turn.kept_after + turn.layer_bytes * turn.new
+        kv = turn.token_bytes * turn.kept_after + turn.uncompressed_bytes
         if tiers.reselect == "exhaustive":
             return kv + turn.layer_bytes * 2 * (turn.fed + turn.new)
         pages = pages_per_head(tiers.candidates, turn.split.prompt_budget, tiers.page_tokens)

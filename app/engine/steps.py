@@ -1,0 +1,109 @@
+"""What the model thread's steps are made of: the requests sessions queue (a decode token, a turn's
+prefill), how one step takes them, and the statistics of the steps run.
+
+A step takes every pending decode token, then prefill tokens of the oldest waiting turns up to a
+budget. Without chunking, the first waiting prefill is taken whole and later ones only if they fit.
+With chunking, a prefill larger than what is left of the budget is split: this step feeds a chunk
+and the prefill stays first in the queue for the next step; its last chunk keeps at least the
+tokens its cache needs there (``SessionCache.last_chunk_min``, Stage 1's window), and a cache that
+cannot split its prefill is fed whole.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.engine.model_runner import Segment
+from app.engine.sampling import Sampler
+from rocketkv_mt.cache import SessionCache
+
+
+class PrefillAbandoned(RuntimeError):
+    """A chunked prefill whose caller was cancelled, stopped between two chunks."""
+
+
+@dataclass(eq=False)
+class PrefillGate:
+    """A turn's hold on its prefill while that is fed in chunks."""
+
+    check: Callable[[], None] = lambda: None  # model thread, between two chunks: raises to stop there
+    undone: bool = False  # set when the prefill was stopped between chunks and its chunks taken back
+
+
+@dataclass(eq=False)
+class Request:
+    """One session's ask: ``ids`` to feed on top of ``cache`` (one decode token, or a turn's prefill)."""
+
+    key: str  # the session id, for accounting
+    cache: SessionCache
+    ids: list[int]
+    prefill: bool = False
+    max_new: int = 0
+    gate: PrefillGate | None = None
+    sampler: Sampler | None = None  # how the token after its last id is drawn (on the model thread)
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    fed: int = 0  # tokens of ``ids`` that earlier steps fed (a prefill in chunks)
+    abandoned: bool = False  # the caller was cancelled: a prefill in chunks stops at the next boundary
+
+    def segment(self, n: int) -> Segment:
+        """The next ``n`` tokens as one step's segment."""
+        rest = len(self.ids) - self.fed - n
+        return Segment(self.cache, self.ids[self.fed : self.fed + n], self.prefill, self.max_new, rest)
+
+
+def take(
+    decodes: list[Request], prefills: deque[Request], budget: int, chunking: bool
+) -> list[tuple[Request, Segment]]:
+    """One step's segments: every decode request, then prefill tokens up to ``budget``, oldest first.
+    Prefills taken whole leave ``prefills``; one taken in part stays first there."""
+    batch = [(r, r.segment(1)) for r in decodes]
+    left = budget
+    while prefills:
+        req = prefills[0]
+        n = piece(req, left, first=left == budget, chunking=chunking)
+        if n == 0:
+            break
+        segment = req.segment(n)
+        batch.append((req, segment))
+        left -= n
+        if segment.rest:
+            break
+        prefills.popleft()
+    return batch
+
+
+def piece(req: Request, budget: int, first: bool, chunking: bool) -> int:
+    """How many of a prefill's tokens still to feed a step takes (0: none, it waits)."""
+    left = len(req.ids) - req.fed
+    if left <= budget:
+        return left
+    last = req.cache.last_chunk_min() if chunking else None
+    if last is not None and min(budget, left - last) > 0:
+        return min(budget, left - last)  # the last chunk keeps at least ``last`` tokens
+    return left if first else 0
+
+
+@dataclass
+class BatchStats:
+    steps: int = 0  # forwards run
+    decode_tokens: int = 0  # decode segments over all steps
+    decode_steps: int = 0  # steps with at least one decode segment
+    prefill_tokens: int = 0
+    prefills: int = 0  # prefills fed to their end
+    prefill_chunks: int = 0  # chunks fed that were not the last of their prefill
+    prefills_stopped: int = 0  # prefills stopped between two chunks (their chunks taken back)
+    max_batch: int = 0  # most segments in one step
+    mixed_steps: int = 0  # steps that carried a prefill together with decode tokens
+    jobs: int = 0
+    failed_segments: int = 0  # segments whose cache raised (only that session failed)
+    failed_steps: int = 0  # forwards that raised outside the caches (every segment failed)
+    busy_s: float = 0.0  # time spent in steps and jobs
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dict(vars(self))
+        out["mean_decode_batch"] = round(self.decode_tokens / max(1, self.decode_steps), 2)
+        out["busy_s"] = round(self.busy_s, 3)
+        return out

@@ -1,0 +1,149 @@
+"""``rocketkv-mt bench serve --stall``: how long a long first message stalls the replies that other
+sessions are streaming, against a running server.
+
+S WebSocket sessions (``--sessions``, 8 here by default) each ask for a long reply
+(``--stall-reply-tokens``, greedy; the bundled model keeps going to the cap). Once every one of them
+streams, the bench records ``--stall-baseline`` seconds of their deltas, then one more session sends
+a first message of about ``--stall-tokens`` tokens (filler) and waits for its first delta. From the
+client's arrival times of the S streams' deltas:
+
+- ``gap_before_p95_ms``: the 95th percentile of the gaps between consecutive deltas of a stream,
+  over the baseline window (every stream's gaps pooled);
+- ``max_pause_ms``: the longest gap between two deltas of one stream that overlaps the long
+  message's prefill (from its send to its first delta);
+- ``ratio``: max pause / p95 gap before (the target is at most 3).
+
+Also reported: the long message's time to first token and prompt tokens (from its ``done``), the
+p95 of the gaps during its prefill, and the server's batching counters over the run (prefill
+chunks and steps). Then the streams are cancelled and closed.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+from bench.common import write_json
+from bench.haystack import filler_text
+from bench.serve_load import CONTEXT_QUESTION, Session, open_session, pct, server_stats
+
+STREAM_PROMPTS = [
+    "Tell a very long story about a river, a mill and a village, chapter after chapter, with many details.",
+    "Write a long essay about the history of bread, in many paragraphs.",
+    "Describe, in great detail and at length, a journey across the mountains.",
+    "Write a long letter to a friend about a year spent by the sea, with many details.",
+]
+TOKENS_PER_WORD = 1.22  # the bundled tokenizer on the filler (the ``done`` event reports the real count)
+
+
+class Stream:
+    """One session streaming a long reply; the arrival time of each of its deltas."""
+
+    def __init__(self, ws, args, index: int):
+        self.session = Session(ws, args)
+        self.args = args
+        self.prompt = STREAM_PROMPTS[index % len(STREAM_PROMPTS)]
+        self.times: list[float] = []
+        self.ended: float | None = None
+        self.error: str | None = None
+
+    async def run(self) -> None:
+        await self.session.create()
+        message = {"type": "message", "content": self.prompt, "max_tokens": self.args.stall_reply_tokens,
+                   "temperature": 0.0}
+        await self.session.ws.send(json.dumps(message))
+        while True:
+            event = await self.session.recv()
+            if event["type"] == "delta":
+                self.times.append(time.perf_counter())
+            elif event["type"] in ("done", "error"):
+                self.ended = time.perf_counter()
+                if event["type"] == "error":
+                    self.error = f"{event.get('code')}: {event.get('message')}"
+                return
+
+    def gaps(self, start: float, stop: float) -> list[float]:
+        """Gaps between consecutive deltas that overlap [start, stop], in seconds."""
+        return [b - a for a, b in zip(self.times, self.times[1:]) if b > start and a < stop]
+
+
+async def long_first_message(url: str, args) -> dict:
+    """A new session's first message of about ``--stall-tokens`` tokens; its send and first-delta times."""
+    text = filler_text(int(args.stall_tokens / TOKENS_PER_WORD), seed=7) + CONTEXT_QUESTION
+    async with open_session(url, args) as ws:
+        session = Session(ws, args)
+        await session.create()
+        sent = time.perf_counter()
+        await ws.send(json.dumps({"type": "message", "content": text, "max_tokens": 8, "temperature": 0.0}))
+        first = None
+        while True:
+            event = await session.recv()
+            if event["type"] == "delta" and first is None:
+                first = time.perf_counter()
+            elif event["type"] == "done":
+                return {"sent": sent, "first": first or time.perf_counter(), "usage": event["usage"]}
+            elif event["type"] == "error":
+                raise RuntimeError(f"{event.get('code')}: {event.get('message')}")
+
+
+async def stall(url: str, args) -> dict:
+    async with contextlib.AsyncExitStack() as stack:
+        sockets = [await stack.enter_async_context(open_session(url, args)) for _ in range(args.sessions)]
+        streams = [Stream(ws, args, i) for i, ws in enumerate(sockets)]
+        tasks = [asyncio.create_task(s.run()) for s in streams]
+        try:
+            while min(len(s.times) for s in streams) < 3:  # every stream has started
+                if any(t.done() for t in tasks):
+                    raise RuntimeError(f"a stream ended before the long message: {[s.error for s in streams]}")
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(args.stall_baseline)
+            before = await server_stats(url, args)
+            long = await long_first_message(url, args)
+            after = await server_stats(url, args)
+        finally:
+            for ws, task in zip(sockets, tasks):
+                if not task.done():
+                    await ws.send(json.dumps({"type": "cancel"}))
+            await asyncio.wait(tasks, timeout=120)
+    sent, first = long["sent"], long["first"]
+    baseline = [g for s in streams for g in s.gaps(sent - args.stall_baseline, sent)]
+    during = [g for s in streams for g in s.gaps(sent, first)]
+    p95_before = pct([g * 1000 for g in baseline], 0.95)
+    max_pause = round(max(during) * 1000, 1) if during else None
+    counters = ("batch_steps", "batch_prefill_chunks", "batch_prefills", "batch_mixed_steps", "batch_decode_tokens")
+    return {
+        "gap_before_p95_ms": p95_before,
+        "max_pause_ms": max_pause,
+        "ratio": round(max_pause / p95_before, 2) if max_pause and p95_before else None,
+        "gaps_during_p95_ms": pct([g * 1000 for g in during], 0.95),
+        "baseline_gaps": len(baseline),
+        "gaps_during": len(during),
+        "streams_ended_during_prefill": sum(1 for s in streams if s.ended is not None and s.ended < first),
+        "long_message": {"prompt_tokens": long["usage"]["prompt_tokens"], "ttft_s": round(first - sent, 2)},
+        "server_during_prefill": {k: after.get(k, 0) - before.get(k, 0) for k in counters if k in after},
+        "errors": [s.error for s in streams if s.error],
+    }
+
+
+async def run(args) -> dict:
+    url = args.url.rstrip("/")
+    result = {
+        "url": url,
+        "sessions": args.sessions,
+        "stall_tokens": args.stall_tokens,
+        "reply_tokens": args.stall_reply_tokens,
+        "baseline_s": args.stall_baseline,
+        "mode": args.mode or "server default",
+        "measured": "client arrival times of the streamed deltas of the sessions that were generating",
+    }
+    result.update(await stall(url, args))
+    return result
+
+
+def main(args) -> int:
+    if args.sessions is None:
+        args.sessions = 8
+    result = asyncio.run(run(args))
+    write_json(result, args.json_out)
+    return 0 if not result["errors"] and result["max_pause_ms"] is not None else 1

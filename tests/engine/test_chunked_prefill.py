@@ -1,0 +1,264 @@
+"""Chunked prefill (``RKV_PREFILL_CHUNK``): a long prefill runs as several steps that also carry the
+other sessions' decode tokens; every mode gives the same tokens and the same cache as a whole
+prefill; stopped between two chunks (a cancel, a disconnect, a device-memory refusal), the session
+is exactly as it was before the turn."""
+import asyncio
+from collections import deque
+
+import pytest
+import torch
+
+from app.engine.errors import DeviceMemoryExhausted
+from app.engine.events import TextDelta, TurnDone
+from app.engine.sampling import SamplingParams
+from app.engine.steps import Request, take
+from bench.common import fit_words
+from bench.haystack import filler_text
+
+CHUNK = 64
+MODES = ["full", "snapkv", "rocketkv", "rocketkv-mt", "tiered"]
+PARAMS = SamplingParams(max_tokens=10)
+
+
+def message(engine, seed: int, words: int) -> str:
+    return fit_words(engine.tokenizer, filler_text(words, seed=seed), words) + "\n\nWhat is this text about?"
+
+
+async def run_turn(engine, sid: str, text: str, params: SamplingParams = PARAMS) -> TurnDone:
+    async for event in await engine.chat(sid, text, params):
+        if isinstance(event, TurnDone):
+            return event
+
+
+def reply_ids(session, done: TurnDone) -> list[int]:
+    start = done.usage.prompt_tokens
+    return session.token_ids[start : start + done.usage.generated_tokens]
+
+
+def cache_state(session) -> tuple:
+    cache = session.cache
+    return cache.history_len, cache.kept_tokens(), cache.device_bytes()
+
+
+# --- what a step takes (pure logic) ------------------------------------------------------------
+class _Cache:
+    def __init__(self, last: int | None):
+        self.last = last
+
+    def last_chunk_min(self) -> int | None:
+        return self.last
+
+
+def _prefill(n: int, last: int | None = 32) -> Request:
+    return Request("s", _Cache(last), list(range(n)), prefill=True)
+
+
+def _feed(prefills: deque, budget: int, chunking: bool = True) -> list[list[int]]:
+    """Run steps until the queue is empty; each step's prefill segment lengths."""
+    steps = []
+    while prefills:
+        batch = take([], prefills, budget, chunking)
+        for req, segment in batch:
+            req.fed += len(segment.ids)
+        steps.append([len(s.ids) for _, s in batch])
+    return steps
+
+
+def test_a_step_takes_chunks_up_to_its_budget_and_keeps_a_whole_window_last():
+    assert _feed(deque([_prefill(300)]), 64) == [[64], [64], [64], [64], [44]]
+    # The last chunk keeps the window (32) whole: 100 = 64 + 36, 90 = 58 + 32.
+    assert _feed(deque([_prefill(100)]), 64) == [[64], [36]]
+    assert _feed(deque([_prefill(90)]), 64) == [[58], [32]]
+    # Short prefills share a step; a long one fills what is left, then keeps the head of the queue.
+    assert _feed(deque([_prefill(20), _prefill(30), _prefill(200)]), 64) == [[20, 30, 14], [64], [64], [58]]
+    # A cache that cannot split its prefill is fed whole, as the first prefill of a step.
+    assert _feed(deque([_prefill(20), _prefill(300, last=None)]), 64) == [[20], [300]]
+    # Without chunking: the first prefill whole, later ones only if they fit in the budget.
+    assert _feed(deque([_prefill(300), _prefill(100), _prefill(600)]), 512, chunking=False) == [[300, 100], [600]]
+
+
+def test_decode_tokens_of_other_sessions_ride_along():
+    decodes = [Request("a", _Cache(32), [7]), Request("b", _Cache(32), [8])]
+    prefills = deque([_prefill(300)])
+    batch = take(decodes, prefills, 64, chunking=True)
+    assert [(r.key, len(s.ids), s.prefill, s.rest) for r, s in batch] == [
+        ("a", 1, False, 0), ("b", 1, False, 0), ("s", 64, True, 236)
+    ]
+    assert list(prefills) == [batch[-1][0]]  # fed in part: still first in the queue
+
+
+# --- the engine ----------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_engine, mode):
+    results, overruns = [], []
+    for chunk in (0, CHUNK):
+        engine = make_engine(prefill_chunk=chunk)
+        session = engine.create_session(mode=mode, budget=64)
+        turns = []
+        for seed, words in ((1, 230), (2, 80)):  # ~266 and ~96 new tokens
+            done = await run_turn(engine, session.id, message(engine, seed, words))
+            turns.append((reply_ids(session, done), done.usage, done.text))
+        results.append((turns, cache_state(session), [layer.keys.clone() for layer in session.cache.layers]))
+        overruns.append(engine.memory_account.overruns)
+        stats = engine.batcher.stats
+        if chunk:
+            # The first turn was fed in 5 steps; later turns too, except tiered's (it then reads cold pages).
+            assert stats.prefill_chunks == (4 if mode == "tiered" else 5)
+        else:
+            assert stats.prefill_chunks == 0
+    assert overruns[1] <= overruns[0]  # the chunks stayed within what their turns reserved
+    (whole, whole_cache, whole_keys), (chunked, chunked_cache, chunked_keys) = results
+    assert chunked == whole
+    assert all(len(ids) > 0 for ids, _, _ in whole)
+    assert chunked_cache == whole_cache
+    for a, b in zip(whole_keys, chunked_keys):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    if mode not in ("full", "rocketkv-mt"):  # (rocketkv-mt keeps the whole history too)
+        assert whole_cache[1] < whole_cache[0]  # Stage 1 did compress
+
+
+@pytest.mark.slow
+async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine):
+    alone_engine = make_engine(prefill_chunk=CHUNK)
+    engine = make_engine(prefill_chunk=CHUNK)
+    long_reply = SamplingParams(max_tokens=40)
+    alone = []
+    for e in (alone_engine, engine):
+        sessions = [e.create_session(mode="rocketkv", budget=64) for _ in range(2)]
+        first = message(e, 3, 40)
+        alone.append((sessions, first))
+    sessions, first = alone[0]
+    a_done = await run_turn(alone_engine, sessions[0].id, first, long_reply)
+    b_done = await run_turn(alone_engine, sessions[1].id, message(alone_engine, 4, 230))
+    want = (reply_ids(sessions[0], a_done), reply_ids(sessions[1], b_done))
+
+    sessions, first = alone[1]
+    a, b = sessions
+    steps: list[list[str]] = []
+    after_step = engine.batcher.on_step
+    engine.batcher.on_step = lambda keys: (steps.append(keys), after_step(keys))
+    started = asyncio.Event()
+
+    async def streaming():
+        deltas = 0
+        async for event in await engine.chat(a.id, first, long_reply):
+            if isinstance(event, TextDelta):
+                deltas += 1
+                if deltas == 3:
+                    started.set()
+            else:
+                return event
+
+    async def long_prefill():
+        await started.wait()
+        return await run_turn(engine, b.id, message(engine, 4, 230))
+
+    a_done, b_done = await asyncio.gather(streaming(), long_prefill())
+    assert (reply_ids(a, a_done), reply_ids(b, b_done)) == want
+    with_b = [keys for keys in steps if b.id in keys]
+    assert len(with_b) >= 6  # 5 prefill steps and decode
+    # The steps that fed the prefill carried the other session's next token too (one may have missed
+    # it on a loaded machine: a step waits for a generating session only briefly).
+    assert sum(a.id in keys for keys in with_b[:5]) >= 4
+    assert engine.batcher.stats.prefill_chunks >= 4
+
+
+@pytest.mark.slow
+async def test_chunked_prefills_share_one_extra_in_the_device_budget(make_engine):
+    """Prefills are fed in chunks one at a time, so two turns that arrive together need their bounds
+    plus one chunking extra (every new token in every layer until the last chunk), not two."""
+    engine = make_engine(prefill_chunk=CHUNK, device_budget_bytes=1)
+    a, b = (engine.create_session(mode="rocketkv", budget=64) for _ in range(2))
+    texts = [message(engine, 8, 230), message(engine, 9, 230)]
+    mem = engine.memory_account
+    needs, extras = [], []
+    for session, text in zip((a, b), texts):
+        n = len(engine._turn_ids(session, text))
+        needs.append(mem.turn_bound(session, n, PARAMS.max_tokens))
+        extras.append(mem.turn_bound(session, n, PARAMS.max_tokens, prefill_chunk=CHUNK) - needs[-1])
+    assert min(extras) > 0
+    mem.budget = sum(needs) + max(extras) + 4096
+    assert mem.budget < sum(needs) + sum(extras)
+    done = await asyncio.gather(*(run_turn(engine, s.id, t) for s, t in zip((a, b), texts)))
+    assert all(d.usage.generated_tokens > 0 for d in done)
+    stats = engine.stats()
+    assert stats["turns_refused_device_memory"] == 0 and stats["device_reservation_overruns"] == 0
+    assert 0 < stats["peak_device_bytes"] <= mem.budget
+    assert engine.batcher.stats.prefill_chunks >= 8 and not mem.chunking
+
+
+async def _stopped_turn(engine, session, how: str, monkeypatch) -> None:
+    """Send a long message and stop its turn after its first chunk, as ``how`` says."""
+    loop = asyncio.get_running_loop()
+    fired = []
+    after_step = engine.batcher.on_step
+    text = message(engine, 5, 230)
+
+    async def consume():
+        return await run_turn(engine, session.id, text)
+
+    if how == "refusal":
+        # A reservation the chunks outgrow at once: the bound did not hold, the turn is refused.
+        monkeypatch.setattr(engine.memory_account, "turn_bound", lambda *args, **kwargs: 1)
+    task = asyncio.ensure_future(consume())
+
+    chunks = engine.batcher.stats.prefill_chunks
+
+    def on_step(keys):
+        after_step(keys)
+        # After the turn's first chunk (not the last step of the turn before: its accounting may run late).
+        if session.id in keys and engine.batcher.stats.prefill_chunks > chunks and not fired:
+            fired.append(True)
+            if how == "cancel":
+                engine.cancel(session.id)
+            elif how == "disconnect":
+                loop.call_soon_threadsafe(task.cancel)
+
+    engine.batcher.on_step = on_step
+    try:
+        if how == "cancel":
+            done = await task
+            assert done.finish_reason == "cancelled" and done.usage.generated_tokens == 0
+            assert done.text == ""
+        elif how == "disconnect":
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(DeviceMemoryExhausted):
+                await task
+            assert engine.memory_account.refusals == 1
+    finally:
+        engine.batcher.on_step = after_step
+        monkeypatch.undo()
+    assert fired and engine.batcher.stats.prefills_stopped == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["rocketkv", "tiered"])
+@pytest.mark.parametrize("how", ["cancel", "disconnect", "refusal"])
+async def test_a_turn_stopped_between_chunks_leaves_the_session_as_before(make_engine, monkeypatch, mode, how):
+    engine = make_engine(prefill_chunk=CHUNK, device_budget_bytes=8 * 1024**3)
+    # Budget 256: the first turn leaves nothing cold, so that tiered's next prefill can be chunked.
+    reference, stopped = (engine.create_session(mode=mode, budget=256) for _ in range(2))
+    first = message(engine, 6, 40)
+    for session in (reference, stopped):
+        await run_turn(engine, session.id, first)
+
+    await _stopped_turn(engine, stopped, how, monkeypatch)
+    assert not stopped.busy and stopped.id not in engine.memory_account.reserved
+    assert stopped.id not in engine.memory_account.chunking
+    assert stopped.messages == reference.messages
+    assert stopped.token_ids == reference.token_ids
+    assert cache_state(stopped) == cache_state(reference)
+    for a, b in zip(stopped.cache.layers, reference.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.positions, b.positions)
+    assert engine.memory_account.held[stopped.id] == engine.memory_account.held[reference.id]
+
+    # The next turn goes exactly as if the stopped one had never been sent.
+    nxt = message(engine, 7, 120)
+    done_ref = await run_turn(engine, reference.id, nxt)
+    done_stopped = await run_turn(engine, stopped.id, nxt)
+    assert reply_ids(stopped, done_stopped) == reply_ids(reference, done_ref)
+    assert done_stopped.usage == done_ref.usage
+    assert stopped.messages == reference.messages and cache_state(stopped) == cache_state(reference)
