@@ -104,8 +104,10 @@ class DecodePolicy(Protocol):
 class PrefillPolicy(Protocol):
     """What a turn's prefill keeps on the device and which set decode reads.
 
-    The lifecycle hooks have empty defaults: a policy that keeps nothing off the device, and
-    selects at once, needs none of them."""
+    The lifecycle hooks have empty defaults, and decode reads the layer store unless a policy says
+    otherwise: a policy that keeps nothing off the device, and selects at once, needs none of them."""
+
+    cache: CacheState
 
     def __init__(self, cache: CacheState, tiers: TierContext | None) -> None: ...
 
@@ -116,13 +118,15 @@ class PrefillPolicy(Protocol):
 
     def extend_decode_set(self, layer: int) -> LayerKV:
         """At a decode step of ``layer``, whose store already holds the token being decoded: add that
-        token to the set decode reads, where the set is not the store itself, and return the set."""
-        ...
+        token to the set decode reads, where the set is not the store itself, and return the set.
+        By default decode reads the layer store itself."""
+        return self.cache.layers[layer]
 
     def decode_set(self, layer: int) -> LayerKV | None:
         """The set ``extend_decode_set`` would return, before the token being decoded joins it (nor
-        the layer store); None when the step has work ``before_step`` must do first, so it runs alone."""
-        ...
+        the layer store); None when the step has work ``before_step`` must do first, so it runs alone.
+        By default the layer store."""
+        return self.cache.layers[layer]
 
     @staticmethod
     def bound(turn: TurnSize, tiers: TierPolicy) -> int:

@@ -8,7 +8,6 @@ from rocketkv_mt import dispatch
 from rocketkv_mt.anchors import kept_scores
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
-from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 from rocketkv_mt.stage1 import keep_from_scores
 
@@ -30,12 +29,6 @@ class EvictOnce(PrefillPolicy):
         store.keep(keep)
         cache.selected(layer, store, kept_scores(scores, keep[:, : keep.shape[1] - w], w))
         return out
-
-    def extend_decode_set(self, layer: int) -> LayerKV:
-        return self.cache.layers[layer]
-
-    def decode_set(self, layer: int) -> LayerKV | None:
-        return self.cache.layers[layer]
 
     @staticmethod
     def bound(turn: TurnSize, tiers: TierPolicy) -> int:

@@ -5,7 +5,6 @@ import torch
 
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
-from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 
 
@@ -18,12 +17,6 @@ class KeepAll(PrefillPolicy):
         out = dense_attention(q, store.keys, store.values, scaling)
         self.cache.selected(layer, store, None)
         return out
-
-    def extend_decode_set(self, layer: int) -> LayerKV:
-        return self.cache.layers[layer]
-
-    def decode_set(self, layer: int) -> LayerKV | None:
-        return self.cache.layers[layer]
 
     @staticmethod
     def bound(turn: TurnSize, tiers: TierPolicy) -> int:

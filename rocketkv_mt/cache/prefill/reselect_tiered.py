@@ -72,9 +72,6 @@ class ReselectTiered(PrefillPolicy):
     def end_turn(self) -> None:
         self.settle()
 
-    def extend_decode_set(self, layer: int) -> LayerKV:
-        return self.cache.layers[layer]
-
     def decode_set(self, layer: int) -> LayerKV | None:
         # The layer's first decode step of a turn settles its selection first (before_step): it runs alone.
         return None if self._pending[layer] is not None else self.cache.layers[layer]
