@@ -48,8 +48,12 @@ class HostTier:
 
     def _check_layout(self, batch: PageBatch) -> None:
         if not self._pool:
-            self._pool = {k: torch.empty(0, *t.shape[1:], dtype=t.dtype, pin_memory=self.pin) for k, t in batch.items()}
             self._page_bytes = sum(t[0].numel() * t.element_size() for t in batch.values())
+            # The whole bound at once, as the first page shows the layout: growing it page batch by
+            # page batch copied the pool again and again (most of a long first turn's demotion). On a
+            # CPU the untouched rows cost no memory; pinned, the bound is taken once at start.
+            self._pool = {k: torch.empty(self.max_slots, *t.shape[1:], dtype=t.dtype, pin_memory=self.pin)
+                          for k, t in batch.items()}
             return
         for name, t in batch.items():
             ref = self._pool.get(name)
@@ -57,11 +61,11 @@ class HostTier:
                 raise ValueError("every page in the host tier has the same fields, shapes and dtypes")
 
     def _grow_to(self, rows: int) -> None:
-        """Make the pool tensors hold at least ``rows`` slots (geometric growth: few reallocations)."""
+        """Make the pool tensors hold at least ``rows`` slots."""
         have = next(iter(self._pool.values())).shape[0]
         if rows <= have:
             return
-        target = max(rows, min(max(self.max_slots, rows), have + max(have // 2, 64)))
+        target = max(rows, have + max(have // 2, 64))  # only past the bound (overflow): geometric
         for name, old in self._pool.items():
             new = torch.empty(target, *old.shape[1:], dtype=old.dtype, pin_memory=self.pin)
             new[:have] = old

@@ -12,7 +12,16 @@ thread loops:
    least one whole prefill): a longer prefill is split into chunks fed by consecutive steps, each of
    which also carries the decode tokens of the sessions generating meanwhile, so they keep
    streaming while it is fed (the cache defers its compression to the last chunk, see
-   ``SessionCache``; a cache that cannot split its prefill is fed whole).
+   ``SessionCache``; a cache that cannot split its prefill is fed whole). While others decode, such
+   a chunk is sized to add about one decode step's time to the step (``chunk_budget``, from what
+   the prefill's last chunk cost a token), so their tokens keep coming at close to their own pace
+   however long the history the chunk attends to; alone, the prefill takes whole ``prefill_chunk``s.
+
+After a chunked prefill's last chunk, its cache still has each layer's end of prefill to run
+(``SessionCache.select_pending``: Stage 1 over the whole history, eviction or demotion, KT). While
+other sessions have steps to run, that session's first decode waits, and the selection runs in
+slices between their steps, each about a fraction of the last step's time; so no step the others
+wait for carries the whole history's selection at once. With nothing else to run it goes at once.
 
 Between two chunks, the turn's ``PrefillGate`` is checked and the caller's cancellation seen: a
 stopped prefill takes its chunks back (``SessionCache.undo_chunks``), leaving the cache as before.
@@ -42,7 +51,7 @@ import torch
 
 from app.engine.model_runner import ModelRunner, Segment
 from app.engine.sampling import Sampler, sample_batch
-from app.engine.steps import BatchStats, PrefillAbandoned, PrefillGate, Request, take
+from app.engine.steps import BatchStats, PrefillAbandoned, PrefillGate, Request, chunk_budget, take
 from rocketkv_mt.cache import SessionCache
 
 log = logging.getLogger(__name__)
@@ -51,6 +60,10 @@ T = TypeVar("T")
 MAX_PREFILL_TOKENS = 512  # prefill tokens packed into one step beyond the first prefill, without chunking
 GATHER_FRACTION = 0.25  # wait for stragglers at most this fraction of the last step's time
 GATHER_MIN_S, GATHER_MAX_S = 0.001, 0.05
+SELECT_FRACTION = 0.5  # a slice of a chunked prefill's deferred selection: about this fraction of the last step
+SELECT_MIN_S = 0.005
+MIN_CHUNK = 16  # fewest prefill tokens a chunk fed beside decode tokens carries
+DECODE_EMA = 0.3  # weight of the newest decode-only step in the running step time
 
 
 class EngineClosed(RuntimeError):
@@ -77,8 +90,11 @@ class Batcher:
         self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._prefills: deque[Request] = deque()
         self._decodes: list[Request] = []
+        self._selecting: list[Request] = []  # decodes held back while their cache's selection runs (model thread)
         self._decoding = 0  # sessions between their prefill and the end of their turn
         self._last_step_s = 0.0
+        self._decode_s = 0.0  # running time of a step that carries only decode tokens
+        self._token_s: float | None = None  # the last chunk's seconds per prefill token (any prefill)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="rkv-model", daemon=True)
         self._thread.start()
@@ -149,11 +165,11 @@ class Batcher:
         job_turn = True
         while True:
             with self._cond:
-                while not (self._jobs or self._prefills or self._decodes or self._closed):
+                while not (self._jobs or self._prefills or self._decodes or self._selecting or self._closed):
                     self._cond.wait()
                 if self._closed:
                     break
-                steps_waiting = bool(self._prefills or self._decodes)
+                steps_waiting = bool(self._prefills or self._decodes or self._selecting)
                 if self._jobs and (job_turn or not steps_waiting):
                     job = self._jobs.popleft()
                     job_turn = False
@@ -164,7 +180,10 @@ class Batcher:
                     batch = self._take()
             if job is not None:
                 self._run_job(*job)
-            elif batch:
+                continue
+            if self._selecting:
+                self._select_slice()
+            if batch:
                 self._run_step(batch)
         self._fail_pending()
 
@@ -172,17 +191,49 @@ class Batcher:
         """Wait (lock held) until every generating session has asked, or a short while has passed."""
         wait = min(GATHER_MAX_S, max(GATHER_MIN_S, GATHER_FRACTION * self._last_step_s))
         deadline = time.monotonic() + wait
-        while len(self._decodes) < self._decoding and not self._closed:
+        while len(self._decodes) + len(self._selecting) < self._decoding and not self._closed:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             self._cond.wait(left)
 
     def _take(self) -> list[tuple[Request, Segment]]:
-        """The step's segments (lock held); see ``take``."""
-        batch = take(self._decodes, self._prefills, self.step_tokens, chunking=self.prefill_chunk > 0)
+        """The step's segments (lock held); see ``take``. A decode whose cache has selection left is
+        held back (``_selecting``) while there are other segments to run."""
+        ready = [r for r in self._decodes if not r.cache.unselected_layers()]
+        self._selecting += [r for r in self._decodes if r.cache.unselected_layers()]
         self._decodes = []
+        budget = self.step_tokens
+        head = self._prefills[0] if self._prefills else None
+        # Only a prefill that is fed in chunks anyway (its turn reserved device memory for that) is cut
+        # finer while others decode.
+        if ready and head is not None and self.prefill_chunk and len(head.ids) > self.prefill_chunk:
+            budget = chunk_budget(self._decode_s, head.token_s or self._token_s, self.step_tokens, MIN_CHUNK)
+        batch = take(ready, self._prefills, budget, chunking=self.prefill_chunk > 0)
+        if not batch and self._selecting:  # nobody to hold up: they select in this step, inline
+            batch = take(self._selecting, deque(), self.step_tokens, chunking=False)
+            self._selecting = []
         return batch
+
+    def _select_slice(self) -> None:
+        """Model thread: run part of the oldest held-back cache's selection; once it is done, its
+        decode joins the next step."""
+        req = self._selecting[0]
+        t0 = time.perf_counter()
+        try:
+            left = req.cache.select_pending(t0 + max(SELECT_MIN_S, SELECT_FRACTION * self._last_step_s))
+        except Exception as exc:  # noqa: BLE001 - that session fails alone, as a failed step segment does
+            left = 0
+            self._selecting.pop(0)
+            self.stats.failed_segments += 1
+            req.future.set_exception(exc)
+        else:
+            if not left:
+                self._selecting.pop(0)
+                with self._cond:
+                    self._decodes.append(req)
+        self.stats.selection_slices += 1
+        self.stats.busy_s += time.perf_counter() - t0
 
     def _stopped(self, req: Request) -> bool:
         """Model thread, before a chunk that continues a prefill: stop it there if its turn asks to
@@ -256,6 +307,14 @@ class Batcher:
         self._account(batch, t0)
 
     def _account(self, batch: list[tuple[Request, Segment]], t0: float) -> None:
+        step_s = time.perf_counter() - t0
+        decoding = [s for _, s in batch if not s.prefill]
+        if len(decoding) == len(batch):
+            self._decode_s = step_s if not self._decode_s else (1 - DECODE_EMA) * self._decode_s + DECODE_EMA * step_s
+        for r, s in batch:
+            if s.prefill and s.rest:  # a chunk: what it cost a token, beyond the decode tokens beside it
+                extra = step_s - (self._decode_s if decoding else 0.0)
+                r.token_s = self._token_s = max(extra, 0.1 * step_s) / len(s.ids)
         st = self.stats
         st.steps += 1
         st.max_batch = max(st.max_batch, len(batch))
@@ -276,9 +335,10 @@ class Batcher:
 
     def _fail_pending(self) -> None:
         with self._cond:
-            pending = [r.future for r in [*self._prefills, *self._decodes]] + [f for _, f in self._jobs]
+            pending = [r.future for r in [*self._prefills, *self._decodes, *self._selecting]] + [f for _, f in self._jobs]
             self._prefills.clear()
             self._decodes.clear()
+            self._selecting.clear()
             self._jobs.clear()
         for fut in pending:
             if not fut.done():

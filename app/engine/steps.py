@@ -46,6 +46,7 @@ class Request:
     sampler: Sampler | None = None  # how the token after its last id is drawn (on the model thread)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     fed: int = 0  # tokens of ``ids`` that earlier steps fed (a prefill in chunks)
+    token_s: float | None = None  # a prefill in chunks: seconds per token of its last chunk
     abandoned: bool = False  # the caller was cancelled: a prefill in chunks stops at the next boundary
 
     def segment(self, n: int) -> Segment:
@@ -86,6 +87,16 @@ def piece(req: Request, budget: int, first: bool, chunking: bool) -> int:
     return left if first else 0
 
 
+def chunk_budget(decode_s: float, token_s: float | None, most: int, least: int) -> int:
+    """Prefill tokens for a step that carries other sessions' decode tokens too: about as many as
+    add ``decode_s`` (what a step of those decode tokens alone takes) at ``token_s`` seconds a
+    prefill token (measured on the prefill's last chunk; it grows with the history the chunk attends
+    to), within [least, most]. Unknown costs (no chunk fed yet, no decode step timed) give ``least``."""
+    if not token_s or decode_s <= 0:
+        return least
+    return max(least, min(most, int(decode_s / token_s)))
+
+
 @dataclass
 class BatchStats:
     steps: int = 0  # forwards run
@@ -98,6 +109,7 @@ class BatchStats:
     max_batch: int = 0  # most segments in one step
     mixed_steps: int = 0  # steps that carried a prefill together with decode tokens
     jobs: int = 0
+    selection_slices: int = 0  # slices of a chunked prefill's deferred selection run between steps
     failed_segments: int = 0  # segments whose cache raised (only that session failed)
     failed_steps: int = 0  # forwards that raised outside the caches (every segment failed)
     busy_s: float = 0.0  # time spent in steps and jobs

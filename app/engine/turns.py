@@ -149,7 +149,6 @@ class TurnLoop:
                 stats.prefilled_tokens = len(session.token_ids)
                 token = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, sampler, gate)
             session.feeds.append(Feed(len(prefill_ids), max_new))
-            self.memory_account.chunking.pop(session.id, None)  # compressed: back within its bound
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
             with self.batcher.decoding():
                 while True:
@@ -171,6 +170,9 @@ class TurnLoop:
                         break
                     token = await self.batcher.decode(session.id, cache, token, sampler)
                     session.feeds[-1].decodes += 1
+                    # A chunked prefill's layers have all selected by the first decode step: compressed,
+                    # the session is back within its bound.
+                    self.memory_account.chunking.pop(session.id, None)
         except (GeneratorExit, asyncio.CancelledError):
             finish = "cancelled"
             raise

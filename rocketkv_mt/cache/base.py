@@ -54,8 +54,11 @@ class SessionCache(Protocol):
     A turn's prefill may be split into chunks, one forward each (``rest`` > 0 until the last): the
     chunks before the last are appended to every layer uncompressed and attend densely over all the
     layer holds, so the last chunk finds what a whole prefill would have, and the mode's end of
-    prefill (Stage 1 over the turn's window, KT, re-selection) runs once, there. Until then
-    ``undo_chunks`` takes the chunks back.
+    prefill (Stage 1 over the turn's window, KT, re-selection) runs once per layer, on the same
+    inputs. Until the last chunk ``undo_chunks`` takes the chunks back. That end of prefill runs
+    after the last chunk, layer by layer (``select_pending``), whenever the engine finds time
+    between steps, and at the latest when the layer next steps: the first token comes from the
+    last chunk, and the other sessions' steps are not held up by the whole history's selection.
     """
 
     mode: str
@@ -86,6 +89,15 @@ class SessionCache(Protocol):
 
     def positions(self, n_new: int) -> torch.Tensor:
         """Positions of the next n_new tokens: they continue the whole history, not the kept length."""
+        ...
+
+    def unselected_layers(self) -> int:
+        """Layers whose end of prefill after a chunked prefill has not run yet."""
+        ...
+
+    def select_pending(self, deadline: float | None = None) -> int:
+        """Run the end of prefill of the unselected layers, in order, at least one, until
+        ``time.perf_counter()`` passes ``deadline`` (None: all); returns the layers still left."""
         ...
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -1,10 +1,13 @@
 """The session cache of every mode: the device KV and the turn's sizes, with a prefill policy and a
 decode policy (``rocketkv_mt.cache.policy``) deciding what stays and what each step reads.
 
-A prefill fed in chunks (``rest`` > 0 until its last forward) reaches neither policy before its last
-chunk: the earlier chunks are appended to every layer and attend densely over all the layer holds,
-so the last chunk finds the store a whole prefill would have, and the prefill policy selects once,
-there. ``undo_chunks`` takes the earlier chunks back.
+A prefill fed in chunks (``rest`` > 0 until its last forward) reaches neither policy's attention:
+every chunk, the last too, is appended to every layer and attends densely over all the layer holds
+(which is what a whole prefill's queries attend to, in every mode that lets its prefill be split),
+and ``undo_chunks`` takes the earlier chunks back. The last chunk keeps each layer's window queries;
+the prefill policy then selects from the layer's store with them (``PrefillPolicy.select``, the
+selection a whole prefill makes) later, layer by layer: in ``select_pending`` between the engine's
+steps, or before the layer's next step at the latest.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ class ComposedCache:
         self.readmitted = 0  # cold token slots promoted back this turn, over all layers and KV heads
         # While a chunked prefill is under way: the history length and split from before its first chunk.
         self._chunked_from: tuple[int, BudgetSplit | None] | None = None
+        # After a chunked prefill's last chunk: layer -> (window queries (Hq, w, d), scaling) to select with.
+        self._unselected: dict[int, tuple[torch.Tensor, float]] = {}
         self.decode = mode.decode(spec)
         self.prefill = mode.prefill(self, tiers)
 
@@ -49,6 +54,7 @@ class ComposedCache:
     def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0, rest: int = 0) -> None:
         split = None
         if prefill:
+            self.select_pending()  # with the split of the prefill that left it, before a new one is made
             if self._chunked_from is None:  # the prefill's first forward (its only one, unless chunked)
                 self.prefill.begin_turn()
                 self.readmitted = 0
@@ -83,13 +89,31 @@ class ComposedCache:
         """Positions of the next n_new tokens: they continue the whole history, not the kept length."""
         return torch.arange(self.history_len, self.history_len + n_new, device=self.spec.device)
 
+    def unselected_layers(self) -> int:
+        return len(self._unselected)
+
+    @torch.inference_mode()
+    def select_pending(self, deadline: float | None = None) -> int:
+        for layer in sorted(self._unselected):
+            self._select(layer)
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        return len(self._unselected)
+
+    def _select(self, layer: int) -> None:
+        q_win, scaling = self._unselected.pop(layer)
+        self.prefill.select(layer, q_win, scaling)
+
     def end_turn(self) -> None:
+        self.select_pending()
         self.prefill.end_turn()
 
     def release(self) -> None:
+        self._unselected.clear()
         self.prefill.release()
 
     def persist(self) -> dict | None:
+        self.select_pending()
         state = self.prefill.persist()
         return None if state is None else {"history_len": self.history_len, **state}
 
@@ -116,12 +140,17 @@ class ComposedCache:
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """q (Hq, n, d); k, v (Hkv, n, d) -> (Hq, n, d)."""
+        if layer in self._unselected:
+            self._select(layer)
         self.prefill.before_step(layer)
         self.layers[layer].append(k, v, self.positions(k.shape[1]))
         if self.step is not None and self.step.prefill:
-            if self.step.rest:  # a chunk before the last: nothing is selected until the prefill ends
+            if self._chunked_from is not None:  # a chunk: nothing is selected until the prefill has ended
                 store = self.layers[layer]
-                return dense_attention(q, store.keys, store.values, scaling)
+                out = dense_attention(q, store.keys, store.values, scaling)
+                if not self.step.rest:  # the last chunk: its window selects, later (``select_pending``)
+                    self._unselected[layer] = (q[:, -min(self.split.window_size, q.shape[1]) :].clone(), scaling)
+                return out
             return self.prefill_attention(layer, q, scaling)
         return self.decode_attention(layer, q, scaling)
 
@@ -136,7 +165,7 @@ class ComposedCache:
     def decode_target(self, layer: int) -> DecodeTarget | None:
         """``decode_attention``'s step as a row of a batched decode; the layer store takes the token
         too where the decode set is another store (a per-turn selection)."""
-        store = self.prefill.decode_set(layer)
+        store = None if layer in self._unselected else self.prefill.decode_set(layer)
         if store is None:
             return None
         full = self.layers[layer]

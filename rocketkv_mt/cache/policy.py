@@ -116,6 +116,14 @@ class PrefillPolicy(Protocol):
         holds, attend; the policy then selects (``CacheState.selected``) -> (Hq, n, d)."""
         ...
 
+    def select(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
+        """Choose a layer's decode set after a prefill that kept nothing off the device (the layer's
+        store holds the whole history, in order, the prefill's tokens last), from Stage 1's window
+        queries q_win (Hq, w, d), the prefill's last w; ``attend`` does the same after attending. A
+        prefill fed in chunks calls it on its own, some time after the last chunk, before the
+        layer's next step (``ComposedCache``)."""
+        ...
+
     def extend_decode_set(self, layer: int) -> LayerKV:
         """At a decode step of ``layer``, whose store already holds the token being decoded: add that
         token to the set decode reads, where the set is not the store itself, and return the set.

@@ -8,10 +8,11 @@ from collections import deque
 import pytest
 import torch
 
+from app.engine import batcher as batcher_module
 from app.engine.errors import DeviceMemoryExhausted
 from app.engine.events import TextDelta, TurnDone
 from app.engine.sampling import SamplingParams
-from app.engine.steps import Request, take
+from app.engine.steps import Request, chunk_budget, take
 from bench.common import fit_words
 from bench.haystack import filler_text
 
@@ -87,6 +88,15 @@ def test_decode_tokens_of_other_sessions_ride_along():
     assert list(prefills) == [batch[-1][0]]  # fed in part: still first in the queue
 
 
+def test_a_chunk_beside_decode_tokens_adds_about_one_decode_step():
+    # 0.2 s decode steps, 5 ms a prefill token: 40 tokens; within [16, 512].
+    assert chunk_budget(0.2, 0.005, 512, 16) == 40
+    assert chunk_budget(0.2, 0.05, 512, 16) == 16  # a long history: never below the floor
+    assert chunk_budget(0.2, 0.0001, 512, 16) == 512  # a cheap prefill: the whole chunk
+    assert chunk_budget(0.2, None, 512, 16) == 16  # no chunk fed yet
+    assert chunk_budget(0.0, 0.005, 512, 16) == 16  # no decode step timed yet
+
+
 # --- the engine ----------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
@@ -119,7 +129,10 @@ async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_en
 
 
 @pytest.mark.slow
-async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine):
+async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine, monkeypatch):
+    # One layer's selection per slice: the long prefill's end of prefill runs between the other's steps.
+    monkeypatch.setattr(batcher_module, "SELECT_FRACTION", 0.0)
+    monkeypatch.setattr(batcher_module, "SELECT_MIN_S", 0.0)
     alone_engine = make_engine(prefill_chunk=CHUNK)
     engine = make_engine(prefill_chunk=CHUNK)
     long_reply = SamplingParams(max_tokens=40)
@@ -138,6 +151,9 @@ async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine)
     steps: list[list[str]] = []
     after_step = engine.batcher.on_step
     engine.batcher.on_step = lambda keys: (steps.append(keys), after_step(keys))
+    segments: list[list[tuple]] = []  # per step: (cache, prefill, tokens) of each segment
+    run_step = engine.runner.step
+    engine.runner.step = lambda segs: (segments.append([(g.cache, g.prefill, len(g.ids)) for g in segs]), run_step(segs))[1]
     started = asyncio.Event()
 
     async def streaming():
@@ -162,6 +178,17 @@ async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine)
     # it on a loaded machine: a step waits for a generating session only briefly).
     assert sum(a.id in keys for keys in with_b[:5]) >= 4
     assert engine.batcher.stats.prefill_chunks >= 4
+    # After its last chunk, b's layers selected one per slice while a's decode steps went on without b,
+    # and b's reply is still the one of a prefill that selected in its last forward.
+    b_prefill = [i for i, segs in enumerate(segments) if any(cache is b.cache and prefill for cache, prefill, _ in segs)]
+    b_decode = [i for i, segs in enumerate(segments) if any(cache is b.cache and not prefill for cache, prefill, _ in segs)]
+    between = segments[b_prefill[-1] + 1 : b_decode[0]]
+    assert between and all([cache for cache, _, _ in segs] == [a.cache] for segs in between)
+    assert 2 <= engine.batcher.stats.selection_slices <= len(b.cache.layers)
+    # Beside a's decode tokens, b's chunks were cut finer than the chunk size (about one decode step
+    # of time each), so its prefill took more steps than 64-token chunks would.
+    b_chunks = [n for segs in segments for cache, prefill, n in segs if cache is b.cache and prefill]
+    assert max(b_chunks) < CHUNK and len(b_chunks) > 5
 
 
 @pytest.mark.slow

@@ -17,18 +17,22 @@ class EvictOnce(PrefillPolicy):
         self.cache = cache
 
     def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        store = self.cache.layers[layer]
+        out = dense_attention(q, store.keys, store.values, scaling)
+        self.select(layer, q[:, -min(self.cache.split.window_size, q.shape[1]) :], scaling)
+        return out
+
+    def select(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
         cache = self.cache
         store, split = cache.layers[layer], cache.split
-        out = dense_attention(q, store.keys, store.values, scaling)
         if store.length <= split.prompt_budget:
             cache.selected(layer, store, None)
-            return out
-        w = min(split.window_size, q.shape[1])
-        scores = dispatch.window_scores(q[:, -w:], store.keys, scaling, backend=cache.spec.kernels)
+            return
+        w = q_win.shape[1]
+        scores = dispatch.window_scores(q_win, store.keys, scaling, backend=cache.spec.kernels)
         keep = keep_from_scores(scores, w, split.prompt_budget, split.kernel_size)
         store.keep(keep)
         cache.selected(layer, store, kept_scores(scores, keep[:, : keep.shape[1] - w], w))
-        return out
 
     @staticmethod
     def bound(turn: TurnSize, tiers: TierPolicy) -> int:

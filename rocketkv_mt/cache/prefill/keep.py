@@ -15,8 +15,11 @@ class KeepAll(PrefillPolicy):
     def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         store = self.cache.layers[layer]
         out = dense_attention(q, store.keys, store.values, scaling)
-        self.cache.selected(layer, store, None)
+        self.select(layer, q, scaling)
         return out
+
+    def select(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
+        self.cache.selected(layer, self.cache.layers[layer], None)
 
     @staticmethod
     def bound(turn: TurnSize, tiers: TierPolicy) -> int:

@@ -19,21 +19,24 @@ class ReselectDevice(PrefillPolicy):
         self.selection = [LayerKV(s.num_kv_heads, s.head_dim, s.dtype, s.device) for _ in range(s.num_layers)]
 
     def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        full = self.cache.layers[layer]
+        out = dense_attention(q, full.keys, full.values, scaling)
+        self.select(layer, q[:, -min(self.cache.split.window_size, q.shape[1]) :], scaling)
+        return out
+
+    def select(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
         cache = self.cache
         full, turn, split = cache.layers[layer], self.selection[layer], cache.split
-        out = dense_attention(q, full.keys, full.values, scaling)
         scores = None
         if full.length <= split.prompt_budget:
             turn.replace(full.keys, full.values, full.positions)
         else:
-            w = min(split.window_size, q.shape[1])
             slots, positions, scores = reselect(
-                q[:, -w:], full.keys, full.positions, None, full.length, split.prompt_budget, split.kernel_size, scaling
+                q_win, full.keys, full.positions, None, full.length, split.prompt_budget, split.kernel_size, scaling
             )
             idx = slots.unsqueeze(-1).expand(-1, -1, full.keys.shape[-1])
             turn.replace(torch.gather(full.keys, 1, idx), torch.gather(full.values, 1, idx), positions)
         cache.selected(layer, turn, scores)
-        return out
 
     def extend_decode_set(self, layer: int) -> LayerKV:
         """The turn's selection, with the token being decoded (the layer store's newest) copied in."""

@@ -80,19 +80,14 @@ class ReselectTiered(PrefillPolicy):
         cache, policy = self.cache, self.tiers.policy
         store, cold, split = cache.layers[layer], self.cold[layer], cache.split
         n = q.shape[1]
-        if not cold.has_pages() and store.length <= split.prompt_budget:
-            out = dense_attention(q, store.keys, store.values, scaling)
-            cache.selected(layer, store, None)
-            return out
         w = min(split.window_size, n)
         total = cache.history_len + n
         if not cold.has_pages():
-            # Nothing cold yet (a first turn): the device holds the history in order, as SnapKV sees it.
             out = dense_attention(q, store.keys, store.values, scaling)
-            slots, positions, scores = reselect(
-                q[:, -w:], store.keys, store.positions, None, total, split.prompt_budget, split.kernel_size, scaling
-            )
-            self._reorganise(layer, slots, positions, scores, None)
+            if store.length <= split.prompt_budget:
+                cache.selected(layer, store, None)
+                return out
+            self.select(layer, q[:, -w:], scaling)
             return self._selected_attention(layer, q, scaling) if policy.prefill_attention == "selected" else out
         # The device part first (primary set and the turn, the turn causal); its window rows rank the
         # cold pages, which are read while the other rows attend; the pages read back are the second
@@ -121,6 +116,19 @@ class ReselectTiered(PrefillPolicy):
         if policy.prefill_attention == "selected" or policy.reselect == "exhaustive":
             self._settle(layer)
         return self._selected_attention(layer, q, scaling) if policy.prefill_attention == "selected" else out
+
+    def select(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
+        """Nothing cold yet (a first turn, or a history within the budget): the store holds the whole
+        history in order, as SnapKV sees it; Stage 1 over it, the rest demoted."""
+        cache = self.cache
+        store, split = cache.layers[layer], cache.split
+        if store.length <= split.prompt_budget:
+            cache.selected(layer, store, None)
+            return
+        slots, positions, scores = reselect(
+            q_win, store.keys, store.positions, None, store.length, split.prompt_budget, split.kernel_size, scaling
+        )
+        self._reorganise(layer, slots, positions, scores, None)
 
     def _settle(self, layer: int) -> None:
         """Run a layer's pending re-selection on the keys its turn attended to."""
