@@ -18,6 +18,17 @@ from tiers.base import Traffic
 from tiers.codec import PageCodec
 from tiers.host import HostTier
 
+# Digests are read every turn, so they are kept small: bfloat16, each bound rounded away from the keys
+# (kmin down, kmax up), which keeps it a bound of every key of its page.
+DIGEST_DTYPE = torch.bfloat16
+
+
+def outward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x in ``DIGEST_DTYPE``, rounded up (``up``) or down so that it still bounds x."""
+    r = x.to(DIGEST_DTYPE)
+    past = r.float() < x.float() if up else r.float() > x.float()
+    return torch.where(past, torch.nextafter(r, torch.full_like(r, float("inf") if up else float("-inf"))), r)
+
 
 class _Rows:
     """A tensor that grows along its first axis (amortised appends)."""
@@ -46,14 +57,15 @@ class _Rows:
 
 
 class HeadPages:
-    """Pages of one KV head: ids, positions (N, P) int64 (-1: padding), alive (N, P), key bounds (N, d)."""
+    """Pages of one KV head: ids, positions (N, P) int64 (-1: padding), alive (N, P), key bounds (N, d)
+    in ``DIGEST_DTYPE``."""
 
-    def __init__(self, page_tokens: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, page_tokens: int, head_dim: int):
         self.ids: list[str] = []
         self.pos = _Rows((page_tokens,), torch.long, fill=-1)
         self.alive = _Rows((page_tokens,), torch.bool, fill=False)
-        self.kmin = _Rows((head_dim,), dtype)
-        self.kmax = _Rows((head_dim,), dtype)
+        self.kmin = _Rows((head_dim,), DIGEST_DTYPE)
+        self.kmax = _Rows((head_dim,), DIGEST_DTYPE)
         self.slot_of = torch.full((0,), -1, dtype=torch.long)  # position -> flat slot (page * P + offset)
 
     def index_positions(self, first_page: int) -> None:
@@ -82,7 +94,7 @@ class ColdLayer:
         self.session_id, self.layer, self.host, self.page_tokens, self.codec = session_id, layer, host, page_tokens, codec
         self.dtype = dtype
         self.epoch = secrets.token_hex(4)  # page ids are unique per cache, across processes and rebuilds
-        self.heads = [HeadPages(page_tokens, head_dim, dtype) for _ in range(num_kv_heads)]
+        self.heads = [HeadPages(page_tokens, head_dim) for _ in range(num_kv_heads)]
         self._made = 0
 
     # --- what is cold ------------------------------------------------------------------------
@@ -108,7 +120,7 @@ class ColdLayer:
         A page's bounds cover all its tokens, promoted ones too: still an upper bound of its cold ones."""
         n = max(h.kmin.length for h in self.heads)
         d = self.heads[0].kmin.data.shape[1]
-        kmin = torch.zeros(len(self.heads), n, d, dtype=self.dtype)
+        kmin = torch.zeros(len(self.heads), n, d, dtype=DIGEST_DTYPE)
         kmax = torch.zeros_like(kmin)
         live = torch.zeros(len(self.heads), n, dtype=torch.bool)
         for i, h in enumerate(self.heads):
@@ -171,8 +183,8 @@ class ColdLayer:
             h.ids += [ids[r] for r in rows.tolist()]
             h.pos.append(pos[rows])
             h.alive.append(pos[rows] >= 0)
-            h.kmin.append(kmin[rows].to(self.dtype))
-            h.kmax.append(kmax[rows].to(self.dtype))
+            h.kmin.append(outward(kmin[rows], up=False))
+            h.kmax.append(outward(kmax[rows], up=True))
             h.index_positions(first)
         return written
 
@@ -226,7 +238,7 @@ class ColdLayer:
     def free(self) -> None:
         self.host.free_many(self.session_id, [pid for h in self.heads for pid in h.ids])
         d = self.heads[0].kmin.data.shape[1]
-        self.heads = [HeadPages(self.page_tokens, d, self.dtype) for _ in self.heads]
+        self.heads = [HeadPages(self.page_tokens, d) for _ in self.heads]
 
     # --- persistence -------------------------------------------------------------------------
     def page_ids(self) -> list[str]:
@@ -254,7 +266,7 @@ class ColdLayer:
             h.ids = [f"{prefix}{n}" for n in tensors[f"ids{i}"].tolist()]
             h.pos.set(tensors[f"pos{i}"].long())
             h.alive.set(tensors[f"alive{i}"])
-            h.kmin.set(tensors[f"kmin{i}"].to(self.dtype))
-            h.kmax.set(tensors[f"kmax{i}"].to(self.dtype))
+            h.kmin.set(outward(tensors[f"kmin{i}"], up=False))
+            h.kmax.set(outward(tensors[f"kmax{i}"], up=True))
             h.index_positions(0)
         self.host.adopt_many(self.session_id, self.page_ids())

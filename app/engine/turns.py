@@ -173,6 +173,11 @@ class TurnLoop:
                     # A chunked prefill's layers have all selected by the first decode step: compressed,
                     # the session is back within its bound.
                     self.memory_account.chunking.pop(session.id, None)
+            if not session.feeds[-1].decodes:
+                # The reply ended at its first token: what the prefill left to settle (a deferred
+                # selection, tiered's re-selection) runs on the model thread, which alone touches the
+                # tiers while steps run; a decode step would have settled it.
+                await self._step(cache.end_turn)
         except (GeneratorExit, asyncio.CancelledError):
             finish = "cancelled"
             raise

@@ -206,3 +206,17 @@ def test_digests_bound_the_keys_the_tier_gives_back_with_int8():
         page_keys, page_alive = k[h, : m * P].view(m, P, D), alive[h, : m * P].view(m, P, 1)
         assert ((page_keys >= kmin[h, :m, None]) | ~page_alive).all()
         assert ((page_keys <= kmax[h, :m, None]) | ~page_alive).all()
+
+
+def test_digests_of_float32_keys_are_bfloat16_bounds_one_step_wide_at_most():
+    from tiers.cold_layer import DIGEST_DTYPE, outward
+
+    x = torch.randn(1000) * 3
+    lo, hi = outward(x, up=False), outward(x, up=True)
+    assert lo.dtype == hi.dtype == DIGEST_DTYPE
+    assert (lo.float() <= x).all() and (hi.float() >= x).all()
+    assert not (lo.float() == x).all()  # random float32 values are mostly not bfloat16 values
+    step = (x.abs() * 2.0**-7).clamp_min(2.0**-126)  # bfloat16 keeps 8 significant bits
+    assert ((x - lo.float()) <= step).all() and ((hi.float() - x) <= step).all()
+    exact = x.to(DIGEST_DTYPE)
+    assert torch.equal(outward(exact.float(), up=True), exact) and torch.equal(outward(exact.float(), up=False), exact)
