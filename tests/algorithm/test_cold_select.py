@@ -168,3 +168,30 @@ def test_reselect_with_every_position_held_equals_stage1(group):
     ordered = torch.arange(history).expand(hkv, -1)
     slots, positions, _ = reselect(q, keys, ordered, None, history, budget, kernel, scaling)
     assert torch.equal(positions, want) and torch.equal(slots, want)
+
+
+def test_a_pending_selection_keeps_exactly_the_tokens_it_promotes():
+    from rocketkv_mt.cache.prefill.reselect_tiered import promoted_only
+
+    g = torch.Generator().manual_seed(3)
+    hkv, t, m, d = 3, 10, 12, 4
+    device_keys = torch.randn(hkv, t, d, generator=g)
+    cand = (torch.randn(hkv, m, d, generator=g), torch.randn(hkv, m, d, generator=g),
+            torch.randint(0, 100, (hkv, m), generator=g), torch.ones(hkv, m, dtype=torch.bool),
+            torch.arange(m).repeat(hkv, 1) + 1000)
+    # Per head a different number of promotions (2, 0, 5), in ascending slot order like Stage 1's choice.
+    slots = torch.stack([
+        torch.tensor([0, 2, 3, 5, 7, 9, t + 1, t + 6]),
+        torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]),
+        torch.tensor([1, 4, 9, t + 0, t + 2, t + 3, t + 8, t + 11]),
+    ])
+    new_slots, kept = promoted_only(slots, t, cand)
+    assert kept[0].shape == (hkv, 5, d)  # the largest count of promotions
+    assert kept[3].sum(dim=1).tolist() == [2, 0, 5]  # padding is dead
+    for h in range(hkv):
+        before = torch.cat([device_keys[h], cand[0][h]])[slots[h]]
+        after = torch.cat([device_keys[h], kept[0][h]])[new_slots[h]]
+        assert torch.equal(before, after)
+        cold = slots[h] >= t
+        assert torch.equal(kept[4][h][new_slots[h][cold] - t], cand[4][h][slots[h][cold] - t])
+        assert (kept[4][h][~kept[3][h]] == -1).all()

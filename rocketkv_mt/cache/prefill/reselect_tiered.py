@@ -28,19 +28,35 @@ from tiers.cold_layer import ColdLayer
 
 @dataclass
 class Pending:
-    """A layer's re-selection, computed up to the scores: probs (Hkv, T + M) of the device slots and
-    the read-back slots ``cand`` (keys, values, positions, alive, cold slots), their positions and
-    alive flags, the history length and the window."""
+    """A layer's re-selection, chosen but not applied: ``slots`` (Hkv, kept) into [device slots,
+    ``cand``'s slots], their positions and Stage-1 scores, and ``cand`` (keys, values (Hkv, M, d),
+    positions, alive, cold slots (Hkv, M)): only the read-back tokens the selection promotes."""
 
-    probs: torch.Tensor
-    key_pos: torch.Tensor
-    alive: torch.Tensor | None
+    slots: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
     cand: tuple
-    total: int
-    w: int
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.cand[:2])
+
+
+def promoted_only(slots: torch.Tensor, device_slots: int, cand: tuple) -> tuple[torch.Tensor, tuple]:
+    """Keep of the read-back tokens ``cand`` only those a selection ``slots`` (Hkv, kept) promotes:
+    (the selection's slots into [device slots, the kept ones], the kept read-back tokens), each head
+    padded with dead slots to the largest count. What a layer holds until it settles is then its
+    promotions, not every page it read."""
+    from_cold = slots >= device_slots
+    m = int(from_cold.sum(dim=1).max()) if from_cold.numel() else 0
+    order = torch.argsort((~from_cold).to(torch.int8), dim=1, stable=True)[:, :m]  # promotions first, in order
+    picked = torch.gather((slots - device_slots).clamp(min=0), 1, order)
+    valid = torch.gather(from_cold, 1, order)
+    d = cand[0].shape[-1]
+    idx = picked.unsqueeze(-1).expand(-1, -1, d)
+    kept = (torch.gather(cand[0], 1, idx), torch.gather(cand[1], 1, idx), torch.gather(cand[2], 1, picked),
+            torch.gather(cand[3], 1, picked) & valid, torch.where(valid, torch.gather(cand[4], 1, picked), -1))
+    rank = torch.cumsum(from_cold.long(), dim=1) - 1
+    return torch.where(from_cold, device_slots + rank, slots), kept
 
 
 class ReselectTiered(PrefillPolicy):
@@ -109,10 +125,14 @@ class ReselectTiered(PrefillPolicy):
         if len(parts) > 1:
             key_pos = torch.cat([store.positions, cand[2]], dim=1)
             alive = torch.cat([torch.ones_like(store.positions, dtype=torch.bool), cand[3]], dim=1)
-        self._pending[layer] = Pending(probs, key_pos, alive, cand, total, w)
-        # The first token needs only this attention; the re-selection (choose, promote, demote, KT)
-        # waits for the layer's first decode step. Reading every page back (exhaustive) would hold a
-        # whole cold history per layer until then, so that rule settles at once.
+        raw = scores_by_position(probs, key_pos, alive, total, w)
+        slots, positions, scores = choose(raw, key_pos, alive, total, w, split.prompt_budget, split.kernel_size)
+        if len(parts) > 1:
+            slots, cand = promoted_only(slots, store.length, cand)
+        self._pending[layer] = Pending(slots, positions, scores, cand)
+        # The first token needs only this attention and the choice; applying it (promote, demote, KT)
+        # waits for the layer's first decode step, holding meanwhile only the tokens it promotes.
+        # Exhaustive reads every page into one layer at a time, so that rule applies it at once.
         if policy.prefill_attention == "selected" or policy.reselect == "exhaustive":
             self._settle(layer)
         return self._selected_attention(layer, q, scaling) if policy.prefill_attention == "selected" else out
@@ -133,10 +153,7 @@ class ReselectTiered(PrefillPolicy):
     def _settle(self, layer: int) -> None:
         """Run a layer's pending re-selection on the keys its turn attended to."""
         p, self._pending[layer] = self._pending[layer], None
-        split = self.cache.split
-        raw = scores_by_position(p.probs, p.key_pos, p.alive, p.total, p.w)
-        slots, positions, scores = choose(raw, p.key_pos, p.alive, p.total, p.w, split.prompt_budget, split.kernel_size)
-        self._reorganise(layer, slots, positions, scores, p.cand)
+        self._reorganise(layer, p.slots, p.positions, p.scores, p.cand)
 
     def settle(self) -> None:
         """Every layer's pending re-selection, now (before a new turn, at a turn's end, before persisting)."""
