@@ -13,10 +13,10 @@ thread loops:
    which also carries the decode tokens of the sessions generating meanwhile, so they keep
    streaming while it is fed (the cache defers its compression to the last chunk, see
    ``SessionCache``; a cache that cannot split its prefill is fed whole). While others decode, such
-   a chunk is sized to add about one decode step's time to the step for each prefill waiting
-   (``chunk_budget``, from what the prefill's last chunk cost a token), so their tokens keep coming
-   at close to their own pace however long the history the chunk attends to; alone, the prefill
-   takes whole ``prefill_chunk``s.
+   a chunk is sized to add about one decode step's time to the step (``chunk_budget``, from what the
+   prefill's last chunk cost a token), so their tokens keep coming at close to their own pace
+   however long the history the chunk attends to; alone, or while at least as many turns wait for
+   their first token as sessions decode, the prefill takes whole ``prefill_chunk``s.
 
 After a chunked prefill's last chunk, its cache still has each layer's end of prefill to run
 (``SessionCache.select_pending``: Stage 1 over the whole history, eviction or demotion, KT). While
@@ -208,11 +208,11 @@ class Batcher:
         head = self._prefills[0] if self._prefills else None
         # Only a prefill that is fed in chunks anyway (its turn reserved device memory for that) is cut
         # finer while others decode.
-        # Each waiting prefill may add about one decode step's time: a queue of new turns gets more of
-        # the step the longer it is, so a burst of first messages does not wait behind thin chunks.
-        if ready and head is not None and self.prefill_chunk and len(head.ids) > self.prefill_chunk:
-            budget = chunk_budget(self._decode_s * len(self._prefills), head.token_s or self._token_s,
-                                  self.step_tokens, MIN_CHUNK)
+        # Thin chunks favour the sessions streaming; while as many turns wait for their first token
+        # (a burst of new conversations), chunks stay whole.
+        if (head is not None and self.prefill_chunk and len(head.ids) > self.prefill_chunk
+                and len(ready) > len(self._prefills)):
+            budget = chunk_budget(self._decode_s, head.token_s or self._token_s, self.step_tokens, MIN_CHUNK)
         batch = take(ready, self._prefills, budget, chunking=self.prefill_chunk > 0)
         if not batch and self._selecting:  # nobody to hold up: they select in this step, inline
             batch = take(self._selecting, deque(), self.step_tokens, chunking=False)
