@@ -15,8 +15,8 @@ thread loops:
    ``SessionCache``; a cache that cannot split its prefill is fed whole). While others decode, such
    a chunk is sized to add about one decode step's time to the step (``chunk_budget``, from what the
    prefill's last chunk cost a token), so their tokens keep coming at close to their own pace
-   however long the history the chunk attends to; alone, or while at least as many turns wait for
-   their first token as sessions decode, the prefill takes whole ``prefill_chunk``s.
+   however long the history the chunk attends to; alone, or while more turns wait for their first
+   token than sessions decode, the prefill takes whole ``prefill_chunk``s.
 
 After a chunked prefill's last chunk, its cache still has each layer's end of prefill to run
 (``SessionCache.select_pending``: Stage 1 over the whole history, eviction or demotion, KT). While
@@ -208,10 +208,10 @@ class Batcher:
         head = self._prefills[0] if self._prefills else None
         # Only a prefill that is fed in chunks anyway (its turn reserved device memory for that) is cut
         # finer while others decode.
-        # Thin chunks favour the sessions streaming; while as many turns wait for their first token
-        # (a burst of new conversations), chunks stay whole.
+        # Thin chunks favour the sessions streaming; while more turns wait for their first token than
+        # sessions decode (a burst of new conversations), chunks stay whole.
         if (head is not None and self.prefill_chunk and len(head.ids) > self.prefill_chunk
-                and len(ready) > len(self._prefills)):
+                and len(ready) >= len(self._prefills)):
             budget = chunk_budget(self._decode_s, head.token_s or self._token_s, self.step_tokens, MIN_CHUNK)
         batch = take(ready, self._prefills, budget, chunking=self.prefill_chunk > 0)
         if not batch and self._selecting:  # nobody to hold up: they select in this step, inline
