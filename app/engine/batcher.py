@@ -21,7 +21,7 @@ thread loops:
 After a chunked prefill's last chunk, its cache still has each layer's end of prefill to run
 (``SessionCache.select_pending``: Stage 1 over the whole history, eviction or demotion, KT). While
 other sessions have steps to run, that session's first decode waits, and the selection runs in
-slices between their steps, each about a fraction of the last step's time; so no step the others
+slices between their steps, each about half a decode-only step's time; so no step the others
 wait for carries the whole history's selection at once. With nothing else to run it goes at once.
 
 Between two chunks, the turn's ``PrefillGate`` is checked and the caller's cancellation seen: a
@@ -61,7 +61,7 @@ T = TypeVar("T")
 MAX_PREFILL_TOKENS = 512  # prefill tokens packed into one step beyond the first prefill, without chunking
 GATHER_FRACTION = 0.25  # wait for stragglers at most this fraction of the last step's time
 GATHER_MIN_S, GATHER_MAX_S = 0.001, 0.05
-SELECT_FRACTION = 0.5  # a slice of a chunked prefill's deferred selection: about this fraction of the last step
+SELECT_FRACTION = 0.5  # a slice of a chunked prefill's deferred selection: about this fraction of a decode step
 SELECT_MIN_S = 0.005
 MIN_CHUNK = 16  # fewest prefill tokens a chunk fed beside decode tokens carries
 DECODE_EMA = 0.3  # weight of the newest decode-only step in the running step time
@@ -225,7 +225,8 @@ class Batcher:
         req = self._selecting[0]
         t0 = time.perf_counter()
         try:
-            left = req.cache.select_pending(t0 + max(SELECT_MIN_S, SELECT_FRACTION * self._last_step_s))
+            # Sized on a decode-only step: after a step that carried a chunk, half of it would add up.
+            left = req.cache.select_pending(t0 + max(SELECT_MIN_S, SELECT_FRACTION * (self._decode_s or self._last_step_s)))
         except Exception as exc:  # noqa: BLE001 - that session fails alone, as a failed step segment does
             left = 0
             self._selecting.pop(0)
