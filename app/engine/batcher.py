@@ -206,10 +206,9 @@ class Batcher:
         self._decodes = []
         budget = self.step_tokens
         head = self._prefills[0] if self._prefills else None
-        # Only a prefill that is fed in chunks anyway (its turn reserved device memory for that) is cut
-        # finer while others decode.
-        # Thin chunks favour the sessions streaming; while more turns wait for their first token than
-        # sessions decode (a burst of new conversations), chunks stay whole.
+        # Thin chunks favour the sessions streaming: only a prefill fed in chunks anyway (its turn
+        # reserved device memory for that) is cut finer, and not while more turns wait for their first
+        # token than sessions decode (a burst of new conversations).
         if (head is not None and self.prefill_chunk and len(head.ids) > self.prefill_chunk
                 and len(ready) >= len(self._prefills)):
             budget = chunk_budget(self._decode_s, head.token_s or self._token_s, self.step_tokens, MIN_CHUNK)
@@ -226,7 +225,8 @@ class Batcher:
         t0 = time.perf_counter()
         try:
             # Sized on a decode-only step: after a step that carried a chunk, half of it would add up.
-            left = req.cache.select_pending(t0 + max(SELECT_MIN_S, SELECT_FRACTION * (self._decode_s or self._last_step_s)))
+            slice_s = max(SELECT_MIN_S, SELECT_FRACTION * (self._decode_s or self._last_step_s))
+            left = req.cache.select_pending(t0 + slice_s)
         except Exception as exc:  # noqa: BLE001 - that session fails alone, as a failed step segment does
             left = 0
             self._selecting.pop(0)
