@@ -92,6 +92,8 @@ class Batcher:
         self._prefills: deque[Request] = deque()
         self._decodes: list[Request] = []
         self._selecting: list[Request] = []  # decodes held back while their cache's selection runs (model thread)
+        self._unselected: list[SessionCache] = []  # caches past a chunked prefill, selection not done (model thread)
+        self._finish_first = False  # run those selections before the next step (model thread)
         self._decoding = 0  # sessions between their prefill and the end of their turn
         self._last_step_s = 0.0
         self._decode_s = 0.0  # running time of a step that carries only decode tokens
@@ -182,6 +184,11 @@ class Batcher:
             if job is not None:
                 self._run_job(*job)
                 continue
+            if self._finish_first:
+                self._finish_first = False
+                for cache in self._unselected:
+                    cache.select_pending()
+                self._unselected = []
             if self._selecting:
                 self._select_slice()
             if batch:
@@ -206,6 +213,16 @@ class Batcher:
         self._decodes = []
         budget = self.step_tokens
         head = self._prefills[0] if self._prefills else None
+        # One prefill's uncompressed chunks sit in the layers at a time (the device budget commits one
+        # such extra per replica, ``DeviceMemory``): the next long prefill starts once the selections
+        # earlier ones deferred are done; meanwhile the others decode (and the selections run in
+        # slices), or, with no one decoding, those selections finish before this step.
+        self._unselected = [c for c in self._unselected if c.unselected_layers()]
+        if (self._unselected and head is not None and head.fed == 0 and self.prefill_chunk
+                and len(head.ids) > self.prefill_chunk):
+            if ready:
+                return take(ready, deque(), budget, chunking=False)
+            self._finish_first = True
         # Thin chunks favour the sessions streaming: only a prefill fed in chunks anyway (its turn
         # reserved device memory for that) is cut finer, and not while more turns wait for their first
         # token than sessions decode (a burst of new conversations).
@@ -308,6 +325,8 @@ class Batcher:
             elif s.rest:
                 r.fed += len(s.ids)  # the prefill stays first in the queue for its next chunk
             else:
+                if r.prefill and r.fed and r.cache.unselected_layers():  # a chunked prefill's last chunk
+                    self._unselected.append(r.cache)
                 r.future.set_result(tokens[i])
         self._account(batch, t0)
 
@@ -344,6 +363,7 @@ class Batcher:
             self._prefills.clear()
             self._decodes.clear()
             self._selecting.clear()
+            self._unselected.clear()
             self._jobs.clear()
         for fut in pending:
             if not fut.done():

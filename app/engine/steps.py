@@ -59,14 +59,17 @@ def take(
     decodes: list[Request], prefills: deque[Request], budget: int, chunking: bool
 ) -> list[tuple[Request, Segment]]:
     """One step's segments: every decode request, then prefill tokens up to ``budget``, oldest first.
-    Prefills taken whole leave ``prefills``; one taken in part stays first there."""
+    Prefills taken whole leave ``prefills``; one taken in part stays first there. A step that ends
+    a prefill fed in chunks starts no other in part: one prefill's chunks sit uncompressed at a time."""
     batch = [(r, r.segment(1)) for r in decodes]
     left = budget
+    ended_chunks = False  # a prefill fed in chunks ends in this step
     while prefills:
         req = prefills[0]
         n = piece(req, left, first=left == budget, chunking=chunking)
-        if n == 0:
-            break
+        if n == 0 or (ended_chunks and n < len(req.ids) - req.fed):
+            break  # (the next one's chunks start after that one's deferred selection)
+        ended_chunks = ended_chunks or req.fed > 0
         segment = req.segment(n)
         batch.append((req, segment))
         left -= n

@@ -78,6 +78,16 @@ def test_a_step_takes_chunks_up_to_its_budget_and_keeps_a_whole_window_last():
     assert _feed(deque([_prefill(300), _prefill(100), _prefill(600)]), 512, chunking=False) == [[300, 100], [600]]
 
 
+def test_a_step_that_ends_a_chunked_prefill_starts_no_other_in_part():
+    ending, waiting, short = _prefill(100), _prefill(300), _prefill(20)
+    ending.fed = 64  # its last 36 tokens are left
+    batch = take([], deque([ending, waiting]), 64, chunking=True)
+    assert [len(seg.ids) for _, seg in batch] == [36]  # the next one's chunks start in a later step
+    ending.fed = 64
+    batch = take([], deque([ending, short, waiting]), 64, chunking=True)
+    assert [len(seg.ids) for _, seg in batch] == [36, 20]  # a whole short prefill still fills the step
+
+
 def test_decode_tokens_of_other_sessions_ride_along():
     decodes = [Request("a", _Cache(32), [7]), Request("b", _Cache(32), [8])]
     prefills = deque([_prefill(300)])
@@ -198,6 +208,41 @@ async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine,
     b_chunks = [n for segs in segments for cache, prefill, n in segs if cache is b.cache and prefill]
     assert all(n <= 20 for n in b_chunks[:-1]) and b_chunks[-1] >= 32
     assert all(decode_s > 0 and token_s > 0 for decode_s, token_s in budgets[1:])
+
+
+@pytest.mark.slow
+async def test_a_chunked_prefill_starts_only_after_the_one_before_it_has_selected(make_engine, monkeypatch):
+    """One prefill's uncompressed chunks sit in the layers at a time, as the device budget assumes:
+    a second long prefill's first chunk waits until the first one's deferred selection is done."""
+    monkeypatch.setattr(batcher_module, "SELECT_FRACTION", 0.0)  # the first one's selection would take many slices
+    monkeypatch.setattr(batcher_module, "SELECT_MIN_S", 0.0)
+    engine = make_engine(prefill_chunk=CHUNK)
+    a, b, c = (engine.create_session(mode="rocketkv", budget=64) for _ in range(3))
+    seen = []  # b's unselected layers when each of c's chunks ran
+    run_step = engine.runner.step
+
+    def step(segs):
+        if any(g.cache is c.cache and g.prefill for g in segs):
+            seen.append(b.cache.unselected_layers())
+        return run_step(segs)
+
+    engine.runner.step = step
+    started = asyncio.Event()
+
+    async def streaming():
+        deltas = 0
+        async for event in await engine.chat(a.id, message(engine, 3, 40), SamplingParams(max_tokens=60)):
+            if isinstance(event, TextDelta):
+                deltas += 1
+                if deltas == 3:
+                    started.set()
+
+    async def long_turn(session, seed):
+        await started.wait()
+        return await run_turn(engine, session.id, message(engine, seed, 230))
+
+    await asyncio.gather(streaming(), long_turn(b, 4), long_turn(c, 5))
+    assert len(seen) > 1 and all(n == 0 for n in seen)
 
 
 @pytest.mark.slow
