@@ -208,26 +208,26 @@ class Batcher:
     def _take(self) -> list[tuple[Request, Segment]]:
         """The step's segments (lock held); see ``take``. A decode whose cache has selection left is
         held back (``_selecting``) while there are other segments to run."""
-        ready = [r for r in self._decodes if not r.cache.unselected_layers()]
-        self._selecting += [r for r in self._decodes if r.cache.unselected_layers()]
+        ready = []
+        for r in self._decodes:
+            (self._selecting if r.cache.unselected_layers() else ready).append(r)
         self._decodes = []
         budget = self.step_tokens
         head = self._prefills[0] if self._prefills else None
+        chunked_head = head is not None and 0 < self.prefill_chunk < len(head.ids)  # fed in chunks
         # One prefill's uncompressed chunks sit in the layers at a time (the device budget commits one
         # such extra per replica, ``DeviceMemory``): the next long prefill starts once the selections
         # earlier ones deferred are done; meanwhile the others decode (and the selections run in
         # slices), or, with no one decoding, those selections finish before this step.
         self._unselected = [c for c in self._unselected if c.unselected_layers()]
-        if (self._unselected and head is not None and head.fed == 0 and self.prefill_chunk
-                and len(head.ids) > self.prefill_chunk):
+        if self._unselected and chunked_head and head.fed == 0:
             if ready:
                 return take(ready, deque(), budget, chunking=False)
             self._finish_first = True
         # Thin chunks favour the sessions streaming: only a prefill fed in chunks anyway (its turn
         # reserved device memory for that) is cut finer, and not while more turns wait for their first
         # token than sessions decode (a burst of new conversations).
-        if (head is not None and self.prefill_chunk and len(head.ids) > self.prefill_chunk
-                and len(ready) >= len(self._prefills)):
+        if chunked_head and len(ready) >= len(self._prefills):
             budget = chunk_budget(self._decode_s, head.token_s or self._token_s, self.step_tokens, MIN_CHUNK)
         batch = take(ready, self._prefills, budget, chunking=self.prefill_chunk > 0)
         if not batch and self._selecting:  # nobody to hold up: they select in this step, inline
@@ -245,7 +245,6 @@ class Batcher:
             slice_s = max(SELECT_MIN_S, SELECT_FRACTION * (self._decode_s or self._last_step_s))
             left = req.cache.select_pending(t0 + slice_s)
         except Exception as exc:  # noqa: BLE001 - that session fails alone, as a failed step segment does
-            left = 0
             self._selecting.pop(0)
             self.stats.failed_segments += 1
             req.future.set_exception(exc)
