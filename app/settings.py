@@ -80,6 +80,11 @@ class Settings(BaseSettings):
         0.5, gt=0, le=64, description="Tiered `digest` turns read this many cold tokens' worth of pages per KV "
         "head and layer, as a fraction of the turn's prompt budget."
     )
+    page_grouping: Literal["keys", "position"] = Field(
+        "keys", description="Tiered `digest` mode: the tokens a turn demotes share cold pages with those whose "
+        "keys are nearest (`keys`: tight digests that rank pages well) or with their neighbours in the text "
+        "(`position`)."
+    )
     cold_dtype: Literal["model", "int8"] = Field(
         "model", description="How cold pages are stored in host memory and Redis: in the model's dtype "
         "(bit-exact) or int8 with per-channel key and per-token value scales (about half the bytes of bf16)."

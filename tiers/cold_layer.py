@@ -17,6 +17,7 @@ import torch
 from tiers.base import Traffic
 from tiers.codec import PageCodec
 from tiers.host import HostTier
+from tiers.page_grouping import group_by_keys
 
 # Digests are read every turn, so they are kept small: bfloat16, each bound rounded away from the keys
 # (kmin down, kmax up), which keeps it a bound of every key of its page.
@@ -90,8 +91,9 @@ class HeadPages:
 
 class ColdLayer:
     def __init__(self, session_id: str, layer: int, host: HostTier, page_tokens: int, codec: PageCodec,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, group_by_keys: bool = False):
         self.session_id, self.layer, self.host, self.page_tokens, self.codec = session_id, layer, host, page_tokens, codec
+        self.group_by_keys = group_by_keys  # pages of similar keys (``page_grouping``), else of consecutive positions
         self.dtype = dtype
         self.epoch = secrets.token_hex(4)  # page ids are unique per cache, across processes and rebuilds
         self.heads = [HeadPages(page_tokens, head_dim) for _ in range(num_kv_heads)]
@@ -135,19 +137,25 @@ class ColdLayer:
         """Make cold the tokens where mask (Hkv, L) is set; returns the page bytes written.
 
         keys/values (Hkv, L, d), positions (Hkv, L). Tokens that already have a page slot (promoted
-        earlier) become cold again in place; the others are written to new pages, in position order."""
+        earlier) become cold again in place; the others are written to new pages, in position order or,
+        with ``group_by_keys``, grouped by their keys (``tiers.page_grouping``)."""
         p, d = self.page_tokens, keys.shape[-1]
         mask, pos_cpu = mask.cpu(), positions.cpu()
-        new_k, new_v, new_pos, owners = [], [], [], []
+        fresh_of = []  # per head: the store slots of its tokens that need new page slots
         for i, h in enumerate(self.heads):
             pos = pos_cpu[i][mask[i]]
             if pos.numel() == 0:
+                fresh_of.append(pos)
                 continue
             slots = h.slots_of(pos)
             again = slots >= 0
             if again.any():
                 h.alive.data.view(-1)[slots[again]] = True
-            fresh = torch.nonzero(mask[i]).flatten()[~again]
+            fresh_of.append(torch.nonzero(mask[i]).flatten()[~again])
+        if self.group_by_keys and any(f.numel() > p for f in fresh_of):
+            fresh_of = self._grouped(keys, fresh_of)
+        new_k, new_v, new_pos, owners = [], [], [], []
+        for i, fresh in enumerate(fresh_of):
             if fresh.numel() == 0:
                 continue
             pages = -(-fresh.numel() // p)
@@ -187,6 +195,14 @@ class ColdLayer:
             h.kmax.append(outward(kmax[rows], up=True))
             h.index_positions(first)
         return written
+
+    def _grouped(self, keys: torch.Tensor, fresh_of: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each head's fresh slots reordered so that its pages hold similar keys (all heads at once)."""
+        counts = [int(f.numel()) for f in fresh_of]
+        picked = torch.cat([keys[i].index_select(0, f.to(keys.device)) for i, f in enumerate(fresh_of)])
+        order = group_by_keys(picked, self.page_tokens, counts).cpu()
+        flat = torch.cat(fresh_of)[order]
+        return list(flat.split(counts))
 
     def promote(self, slots: torch.Tensor) -> None:
         """Mark flat cold slots (Hkv, m) (-1: none) as held on the device again."""

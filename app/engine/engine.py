@@ -73,6 +73,7 @@ class Engine(TurnLoop, DeviceResidency):
             prefill_attention=settings.prefill_attention,
             reselect=settings.reselect,
             candidates=settings.digest_candidates,
+            page_grouping=settings.page_grouping,
             codec=make_codec("int8" if settings.cold_dtype == "int8" else "raw"),
         )
         self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec, self.tier_policy)

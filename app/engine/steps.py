@@ -5,7 +5,7 @@ A step takes every pending decode token, then prefill tokens of the oldest waiti
 budget. Without chunking, the first waiting prefill is taken whole and later ones only if they fit.
 With chunking, a prefill larger than what is left of the budget is split: this step feeds a chunk
 and the prefill stays first in the queue for the next step; its last chunk keeps at least the
-tokens its cache needs there (``SessionCache.last_chunk_min``, Stage 1's window), and a cache that
+tokens its cache needs there (``SessionCache.last_chunk_min``), and a cache that
 cannot split its prefill is fed whole.
 """
 from __future__ import annotations

@@ -78,8 +78,8 @@ class SessionCache(Protocol):
     def end_forward(self) -> None: ...
 
     def last_chunk_min(self) -> int | None:
-        """Fewest tokens the last forward of a chunked prefill must feed (Stage 1 scores with its last
-        queries), or None when this cache's next prefill cannot be split without changing its result."""
+        """Fewest tokens the last forward of a chunked prefill must feed, or None when this cache's next
+        prefill cannot be split without changing its result."""
         ...
 
     def undo_chunks(self) -> None:

@@ -4,7 +4,8 @@ decode policy (``rocketkv_mt.cache.policy``) deciding what stays and what each s
 A prefill fed in chunks (``rest`` > 0 until its last forward) reaches neither policy's attention:
 every chunk, the last too, is appended to every layer and attends densely over all the layer holds
 (which is what a whole prefill's queries attend to, in every mode that lets its prefill be split),
-and ``undo_chunks`` takes the earlier chunks back. The last chunk keeps each layer's window queries;
+and ``undo_chunks`` takes the earlier chunks back. The chunks keep each layer's last queries, so
+the window's are at hand after the last chunk however short it is;
 the prefill policy then selects from the layer's store with them (``PrefillPolicy.select``, the
 selection a whole prefill makes) later, layer by layer: in ``select_pending`` between the engine's
 steps, or before the layer's next step at the latest.
@@ -47,6 +48,9 @@ class ComposedCache:
         self._chunked_from: tuple[int, BudgetSplit | None] | None = None
         # After a chunked prefill's last chunk: layer -> (window queries (Hq, w, d), scaling) to select with.
         self._unselected: dict[int, tuple[torch.Tensor, float]] = {}
+        # While it is under way: layer -> the last (up to w) queries its chunks have had so far, so that
+        # the last chunk may be shorter than the window.
+        self._window_tail: dict[int, torch.Tensor] = {}
         self.decode = mode.decode(spec)
         self.prefill = mode.prefill(self, tiers)
 
@@ -73,13 +77,15 @@ class ComposedCache:
         self.step = None
 
     def last_chunk_min(self) -> int | None:
-        return self.rocket.window_size if self.prefill.chunkable() else None
+        # The window's queries are gathered across chunks (``_window_tail``): a last chunk of one token will do.
+        return 1 if self.prefill.chunkable() else None
 
     @torch.inference_mode()
     def undo_chunks(self) -> None:
         if self._chunked_from is None:
             return
         (history_len, split), self._chunked_from = self._chunked_from, None
+        self._window_tail.clear()
         fed = self.history_len - history_len
         for store in self.layers:
             store.truncate(store.length - fed)
@@ -110,6 +116,7 @@ class ComposedCache:
 
     def release(self) -> None:
         self._unselected.clear()
+        self._window_tail.clear()
         self.prefill.release()
 
     def persist(self) -> dict | None:
@@ -148,8 +155,14 @@ class ComposedCache:
             if self._chunked_from is not None:  # a chunk: nothing is selected until the prefill has ended
                 store = self.layers[layer]
                 out = dense_attention(q, store.keys, store.values, scaling)
-                if not self.step.rest:  # the last chunk: its window selects, later (``select_pending``)
-                    self._unselected[layer] = (q[:, -min(self.split.window_size, q.shape[1]) :].clone(), scaling)
+                w = self.split.window_size
+                before = self._window_tail.pop(layer, None)
+                tail = q if before is None or q.shape[1] >= w else torch.cat([before, q], dim=1)
+                tail = tail[:, -min(w, tail.shape[1]) :].clone()
+                if self.step.rest:
+                    self._window_tail[layer] = tail
+                else:  # the last chunk: the window selects, later (``select_pending``)
+                    self._unselected[layer] = (tail, scaling)
                 return out
             return self.prefill_attention(layer, q, scaling)
         return self.decode_attention(layer, q, scaling)

@@ -21,12 +21,16 @@ class TierPolicy:
     prefill_attention: the turn's tokens attend over everything the turn read (``dense``) or over
     the new primary set (``selected``). reselect: a turn reads every cold page (``exhaustive``) or
     the pages whose digests rank highest (``digest``). candidates: cold tokens' worth of pages a
-    ``digest`` turn reads per KV head, as a fraction of the prompt budget. codec: how pages are stored."""
+    ``digest`` turn reads per KV head, as a fraction of the prompt budget. page_grouping: with ``digest``, a demotion's tokens share pages
+    with the tokens whose keys are nearest (``keys``) or with their neighbours in the text
+    (``position``; ``exhaustive`` reads every page, so it always pages by position). codec:
+    how pages are stored."""
 
     page_tokens: int = 32
     prefill_attention: Literal["dense", "selected"] = "dense"
     reselect: Literal["digest", "exhaustive"] = "digest"
     candidates: float = 0.5
+    page_grouping: Literal["keys", "position"] = "keys"
     codec: PageCodec = field(default_factory=RawCodec)
 
 

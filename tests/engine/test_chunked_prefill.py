@@ -36,6 +36,13 @@ def reply_ids(session, done: TurnDone) -> list[int]:
     return session.token_ids[start : start + done.usage.generated_tokens]
 
 
+def by_position(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's kept positions and their keys, each head in position order (slot order may differ:
+    tiered re-admits tokens in the order of the pages it read)."""
+    pos, order = layer.positions.sort(dim=1)
+    return pos.clone(), torch.gather(layer.keys, 1, order.unsqueeze(-1).expand_as(layer.keys)).clone()
+
+
 def cache_state(session) -> tuple:
     cache = session.cache
     return cache.history_len, cache.kept_tokens(), cache.device_bytes()
@@ -109,17 +116,21 @@ def test_a_chunk_beside_decode_tokens_adds_about_one_decode_step():
 
 # --- the engine ----------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_engine, mode):
+@pytest.mark.parametrize("mode,grouping", [(m, "position") for m in MODES] + [("tiered", "keys")])
+async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_engine, mode, grouping):
+    """The same replies, and the same tokens kept with the same keys. Cold pages grouped by keys
+    (``RKV_PAGE_GROUPING=keys``) split at medians of projections that the chunks' float rounding can
+    move across, so pages, and then a later turn's re-admissions, may differ there: that case is held
+    to the same replies only."""
     results, overruns = [], []
     for chunk in (0, CHUNK):
-        engine = make_engine(prefill_chunk=chunk)
+        engine = make_engine(prefill_chunk=chunk, page_grouping=grouping)
         session = engine.create_session(mode=mode, budget=64)
         turns = []
         for seed, words in ((1, 230), (2, 80)):  # ~266 and ~96 new tokens
             done = await run_turn(engine, session.id, message(engine, seed, words))
             turns.append((reply_ids(session, done), done.usage, done.text))
-        results.append((turns, cache_state(session), [layer.keys.clone() for layer in session.cache.layers]))
+        results.append((turns, cache_state(session), [by_position(layer) for layer in session.cache.layers]))
         overruns.append(engine.memory_account.overruns)
         stats = engine.batcher.stats
         if chunk:
@@ -131,9 +142,12 @@ async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_en
     (whole, whole_cache, whole_keys), (chunked, chunked_cache, chunked_keys) = results
     assert chunked == whole
     assert all(len(ids) > 0 for ids, _, _ in whole)
+    if grouping == "keys":
+        return
     assert chunked_cache == whole_cache
-    for a, b in zip(whole_keys, chunked_keys):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    for (pos_a, keys_a), (pos_b, keys_b) in zip(whole_keys, chunked_keys):
+        assert torch.equal(pos_a, pos_b)  # the same tokens kept, in every layer and head
+        torch.testing.assert_close(keys_a, keys_b, atol=1e-4, rtol=0)
     if mode not in ("full", "rocketkv-mt"):  # (rocketkv-mt keeps the whole history too)
         assert whole_cache[1] < whole_cache[0]  # Stage 1 did compress
 
@@ -204,9 +218,10 @@ async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine,
     assert between and all([cache for cache, _, _ in segs] == [a.cache] for segs in between)
     assert 2 <= engine.batcher.stats.selection_slices <= len(b.cache.layers)
     # Beside a's decode tokens, b's chunks were cut to ``chunk_budget``'s size, given the time of a's
-    # decode steps once one was timed and of b's last chunk once fed; the last keeps the whole window.
+    # decode steps once one was timed and of b's last chunk once fed; the last one too, though shorter
+    # than Stage 1's window (the window's queries are gathered over the chunks).
     b_chunks = [n for segs in segments for cache, prefill, n in segs if cache is b.cache and prefill]
-    assert all(n <= 20 for n in b_chunks[:-1]) and b_chunks[-1] >= 32
+    assert all(n <= 20 for n in b_chunks)
     assert all(decode_s > 0 and token_s > 0 for decode_s, token_s in budgets[1:])
 
 

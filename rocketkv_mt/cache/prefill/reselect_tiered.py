@@ -67,7 +67,8 @@ class ReselectTiered(PrefillPolicy):
         spec, policy = cache.spec, tiers.policy
         self.cold = [
             ColdLayer(tiers.session_id, i, tiers.host, policy.page_tokens, policy.codec, spec.num_kv_heads,
-                      spec.head_dim, spec.dtype)
+                      spec.head_dim, spec.dtype,
+                      group_by_keys=policy.reselect == "digest" and policy.page_grouping == "keys")
             for i in range(spec.num_layers)
         ]
         self._pending: list[Pending | None] = [None] * spec.num_layers
@@ -111,11 +112,11 @@ class ReselectTiered(PrefillPolicy):
         window = attend_part(q[:, n - w :], store.keys, store.values, scaling, w, own_tail=n, first_row=n - w)
         read = partial(self._read_candidates, layer, q[:, -w:], window, scaling)
         transfers = self.tiers.transfers
-        reading = transfers.start(read) if transfers is not None else None
+        reading = transfers.start(read) if transfers is not None and transfers.pays(n > w) else None
         device = window
         if n > w:
             device = join_rows(attend_part(q[:, : n - w], store.keys, store.values, scaling, 0, own_tail=n), window)
-        cand = transfers.wait(reading) if transfers is not None else read()
+        cand = transfers.wait(reading) if reading is not None else read()
         parts = [device]
         if cand[0].shape[1]:
             parts.append(attend_part(q, cand[0], cand[1], scaling, w, visible=cand[3]))
