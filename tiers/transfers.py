@@ -20,16 +20,10 @@ import torch
 T = TypeVar("T")
 
 
-def _one_thread() -> None:
-    # A read is gathers and copies: on one thread it starts no second OpenMP team to contend with the
-    # model thread's for the same cores.
-    torch.set_num_threads(1)
-
-
 class Transfers:
     def __init__(self, device: torch.device):
         self.device = device
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rkv-pages", initializer=_one_thread)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rkv-pages")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def pays(self, overlapped_work: bool) -> bool:
