@@ -91,9 +91,9 @@ class HeadPages:
 
 class ColdLayer:
     def __init__(self, session_id: str, layer: int, host: HostTier, page_tokens: int, codec: PageCodec,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, group_by_keys: bool = False):
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, by_keys: bool = False):
         self.session_id, self.layer, self.host, self.page_tokens, self.codec = session_id, layer, host, page_tokens, codec
-        self.group_by_keys = group_by_keys  # pages of similar keys (``page_grouping``), else of consecutive positions
+        self.by_keys = by_keys  # pages of similar keys (``page_grouping``), else of consecutive positions
         self.dtype = dtype
         self.epoch = secrets.token_hex(4)  # page ids are unique per cache, across processes and rebuilds
         self.heads = [HeadPages(page_tokens, head_dim) for _ in range(num_kv_heads)]
@@ -138,21 +138,21 @@ class ColdLayer:
 
         keys/values (Hkv, L, d), positions (Hkv, L). Tokens that already have a page slot (promoted
         earlier) become cold again in place; the others are written to new pages, in position order or,
-        with ``group_by_keys``, grouped by their keys (``tiers.page_grouping``)."""
+        with ``by_keys``, grouped by their keys (``tiers.page_grouping``)."""
         p, d = self.page_tokens, keys.shape[-1]
         mask, pos_cpu = mask.cpu(), positions.cpu()
         fresh_of = []  # per head: the store slots of its tokens that need new page slots
         for i, h in enumerate(self.heads):
             pos = pos_cpu[i][mask[i]]
             if pos.numel() == 0:
-                fresh_of.append(pos)
+                fresh_of.append(torch.zeros(0, dtype=torch.long))
                 continue
             slots = h.slots_of(pos)
             again = slots >= 0
             if again.any():
                 h.alive.data.view(-1)[slots[again]] = True
             fresh_of.append(torch.nonzero(mask[i]).flatten()[~again])
-        if self.group_by_keys and any(f.numel() > p for f in fresh_of):
+        if self.by_keys and any(f.numel() > p for f in fresh_of):
             fresh_of = self._grouped(keys, fresh_of)
         new_k, new_v, new_pos, owners = [], [], [], []
         for i, fresh in enumerate(fresh_of):

@@ -33,8 +33,7 @@ def group_by_keys(keys: torch.Tensor, page_tokens: int, parts: list[int] | None 
         return order
     y = torch.cat([_principal(part) for part in keys.float().split(sizes.tolist())])
     rank = y.shape[1]
-    # Groups are runs of ``order``: starts (ascending) and sizes. Every run is split until it fits a page.
-    starts = torch.cumsum(sizes, 0) - sizes
+    # Groups are consecutive runs of ``order``, given by their sizes. Every run is split until it fits a page.
     while bool((sizes > page_tokens).any()):
         groups = sizes.numel()
         group = torch.repeat_interleave(torch.arange(groups, device=device), sizes)
@@ -50,7 +49,6 @@ def group_by_keys(keys: torch.Tensor, page_tokens: int, parts: list[int] | None 
         left = torch.minimum(sizes, torch.div(pages + 1, 2, rounding_mode="floor") * page_tokens)
         split = sizes > page_tokens
         keep = torch.stack([torch.ones_like(split), split], dim=1)
-        starts = torch.stack([starts, starts + left], dim=1)[keep]
         sizes = torch.stack([left, sizes - left], dim=1)[keep]
     return order
 

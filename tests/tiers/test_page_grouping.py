@@ -58,7 +58,7 @@ def test_a_layer_paged_by_keys_gives_back_each_position_its_own_key_and_value():
     mask = torch.ones(hkv, store, dtype=torch.bool)
     mask[1, :9] = False
     host = HostTier(1 << 20, pin=False)
-    layer = ColdLayer("s", 0, host, P, RawCodec(), hkv, D, torch.float32, group_by_keys=True)
+    layer = ColdLayer("s", 0, host, P, RawCodec(), hkv, D, torch.float32, by_keys=True)
     layer.demote(keys, values, positions, mask)
     pages = layer.live_pages()
     assert [len(x) for x in pages] == [-(-store // P), -(-(store - 9) // P)]  # as many pages as by position

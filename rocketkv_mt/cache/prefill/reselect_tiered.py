@@ -68,7 +68,7 @@ class ReselectTiered(PrefillPolicy):
         self.cold = [
             ColdLayer(tiers.session_id, i, tiers.host, policy.page_tokens, policy.codec, spec.num_kv_heads,
                       spec.head_dim, spec.dtype,
-                      group_by_keys=policy.reselect == "digest" and policy.page_grouping == "keys")
+                      by_keys=policy.reselect == "digest" and policy.page_grouping == "keys")
             for i in range(spec.num_layers)
         ]
         self._pending: list[Pending | None] = [None] * spec.num_layers
