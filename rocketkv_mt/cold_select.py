@@ -38,13 +38,15 @@ def pages_per_head(fraction: float, prompt_budget: int, page_tokens: int) -> int
     return math.ceil(fraction * prompt_budget / page_tokens)
 
 
-def candidate_pages(scores: torch.Tensor, live: torch.Tensor, per_head: int) -> list[torch.Tensor]:
-    """Per head, the indices (ascending) of at most ``per_head`` live pages with the highest scores."""
-    masked = scores.masked_fill(~live, float("-inf"))
-    k = min(per_head, masked.shape[1])
-    top = torch.topk(masked, k, dim=1).indices if k else masked.new_zeros(masked.shape[0], 0, dtype=torch.long)
-    out = []
-    for i in range(scores.shape[0]):
-        chosen = top[i][live[i].gather(0, top[i])]
-        out.append(chosen.sort().values.cpu())
-    return out
+def candidate_pages(scores: torch.Tensor, live: torch.Tensor, per_head: int) -> torch.Tensor:
+    """Per head, the indices (ascending) of at most ``per_head`` live pages with the highest scores:
+    (Hkv, n) padded with -1, n the most any head got."""
+    hkv, n = scores.shape
+    k = min(per_head, n)
+    if k == 0:
+        return torch.zeros(hkv, 0, dtype=torch.long, device=scores.device)
+    top = torch.topk(scores.masked_fill(~live, float("-inf")), k, dim=1).indices
+    chosen = torch.where(live.gather(1, top), top, n).sort(dim=1).values
+    m = int((chosen < n).sum(dim=1).max())
+    chosen = chosen[:, :m]
+    return torch.where(chosen == n, -1, chosen)

@@ -43,11 +43,19 @@ def select_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
     """Indices (Hkv, keep) of the ``keep`` highest scores per row, ascending (position order kept).
 
     Max pooling makes plateaus of equal scores; ties go to the earlier position so the choice is
-    deterministic and the same on every backend.
+    deterministic and the same on every backend. (What a stable descending sort would keep, without
+    sorting the row: every score above the k-th highest, then the earliest ones equal to it.)
     """
     keep = min(keep, scores.shape[-1])
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]
-    return torch.sort(order, dim=-1).values
+    if keep == 0:
+        return torch.zeros(scores.shape[0], 0, dtype=torch.long, device=scores.device)
+    kth = torch.topk(scores, keep, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = scores > kth
+    tied = scores == kth
+    room = keep - above.sum(dim=-1, keepdim=True)
+    chosen = above | (tied & (torch.cumsum(tied, dim=-1) <= room))
+    # Exactly ``keep`` per row, so the row-major nonzero columns are each row's indices, ascending.
+    return torch.nonzero(chosen)[:, 1].view(scores.shape[0], keep)
 
 
 def snapkv_keep_indices(

@@ -31,106 +31,119 @@ def outward(x: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(past, torch.nextafter(r, torch.full_like(r, float("inf") if up else float("-inf"))), r)
 
 
-class _Rows:
-    """A tensor that grows along its first axis (amortised appends)."""
+class _Table:
+    """Rows of every KV head's pages in one tensor (Hkv, capacity, *row), grown along the page axis;
+    rows past a head's page count hold ``fill``."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, fill=0):
+    def __init__(self, heads: int, row: tuple[int, ...], dtype: torch.dtype, fill=0):
         self.fill = fill
-        self._buf = torch.full((16, *shape), fill, dtype=dtype)
-        self.length = 0
+        self.buf = torch.full((heads, 16, *row), fill, dtype=dtype)
 
-    @property
-    def data(self) -> torch.Tensor:
-        return self._buf[: self.length]
-
-    def append(self, rows: torch.Tensor) -> None:
-        need = self.length + rows.shape[0]
-        if need > self._buf.shape[0]:
-            grown = torch.full((max(need, 2 * self._buf.shape[0]), *self._buf.shape[1:]), self.fill, dtype=self._buf.dtype)
-            grown[: self.length] = self.data
-            self._buf = grown
-        self._buf[self.length : need] = rows
-        self.length = need
-
-    def set(self, rows: torch.Tensor) -> None:
-        self.length = 0
-        self.append(rows)
+    def ensure(self, pages: int) -> None:
+        have = self.buf.shape[1]
+        if pages > have:
+            grown = torch.full((self.buf.shape[0], max(pages, 2 * have), *self.buf.shape[2:]), self.fill,
+                               dtype=self.buf.dtype)
+            grown[:, :have] = self.buf
+            self.buf = grown
 
 
-class HeadPages:
-    """Pages of one KV head: ids, positions (N, P) int64 (-1: padding), alive (N, P), key bounds (N, d)
-    in ``DIGEST_DTYPE``."""
-
-    def __init__(self, page_tokens: int, head_dim: int):
-        self.ids: list[str] = []
-        self.pos = _Rows((page_tokens,), torch.long, fill=-1)
-        self.alive = _Rows((page_tokens,), torch.bool, fill=False)
-        self.kmin = _Rows((head_dim,), DIGEST_DTYPE)
-        self.kmax = _Rows((head_dim,), DIGEST_DTYPE)
-        self.slot_of = torch.full((0,), -1, dtype=torch.long)  # position -> flat slot (page * P + offset)
-
-    def index_positions(self, first_page: int) -> None:
-        """Record the flat slots of the pages from ``first_page`` on in ``slot_of``."""
-        pos = self.pos.data[first_page:].flatten()
-        flat = torch.arange(first_page * self.pos.data.shape[1], self.pos.length * self.pos.data.shape[1])
-        real = pos >= 0
-        top = int(pos.max()) + 1 if pos.numel() else 0
-        if top > self.slot_of.shape[0]:
-            grown = torch.full((max(top, 2 * self.slot_of.shape[0]),), -1, dtype=torch.long)
-            grown[: self.slot_of.shape[0]] = self.slot_of
-            self.slot_of = grown
-        self.slot_of[pos[real]] = flat[real]
-
-    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
-        """Flat slot of each position (-1 where this head never made it cold)."""
-        out = torch.full_like(positions, -1)
-        known = positions < self.slot_of.shape[0]
-        out[known] = self.slot_of[positions[known]]
-        return out
+def padded_indices(mask: torch.Tensor) -> torch.Tensor:
+    """Per row of mask (H, N), the indices where it is set, ascending, then -1: (H, most set in a row)."""
+    n = mask.shape[1]
+    key = torch.where(mask, torch.arange(n, device=mask.device), n).sort(dim=1).values
+    m = int(mask.sum(dim=1).max()) if mask.numel() else 0
+    key = key[:, :m]
+    return torch.where(key == n, -1, key)
 
 
 class ColdLayer:
+    """Pages of every KV head of one layer: ids and page counts per head, and padded tables (Hkv, N, .)
+    of each page's positions (-1: padding), alive flags and key bounds (``DIGEST_DTYPE``), N the
+    largest head's page count; a head's rows past its own count are dead. Held as whole tables so that
+    a turn reads digests, candidates and page rows of all heads in a few operations, not per head.
+
+    A ``pages`` argument or result is (Hkv, n) page indices per head, ascending, padded with -1."""
+
     def __init__(self, session_id: str, layer: int, host: HostTier, page_tokens: int, codec: PageCodec,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, by_keys: bool = False):
         self.session_id, self.layer, self.host, self.page_tokens, self.codec = session_id, layer, host, page_tokens, codec
         self.by_keys = by_keys  # pages of similar keys (``page_grouping``), else of consecutive positions
-        self.dtype = dtype
+        self.dtype, self.head_dim = dtype, head_dim
         self.epoch = secrets.token_hex(4)  # page ids are unique per cache, across processes and rebuilds
-        self.heads = [HeadPages(page_tokens, head_dim) for _ in range(num_kv_heads)]
         self._made = 0
+        self._reset(num_kv_heads)
+
+    def _reset(self, hkv: int) -> None:
+        p, d = self.page_tokens, self.head_dim
+        self.ids: list[list[str]] = [[] for _ in range(hkv)]
+        self._pos = _Table(hkv, (p,), torch.long, fill=-1)
+        self._alive = _Table(hkv, (p,), torch.bool, fill=False)
+        self._kmin = _Table(hkv, (d,), DIGEST_DTYPE)
+        self._kmax = _Table(hkv, (d,), DIGEST_DTYPE)
+        self._slot_of = [torch.full((0,), -1, dtype=torch.long) for _ in range(hkv)]  # position -> page * P + offset
+
+    @property
+    def _pages(self) -> int:
+        return max(len(ids) for ids in self.ids)
 
     # --- what is cold ------------------------------------------------------------------------
     def has_pages(self) -> bool:
-        return any(h.ids for h in self.heads)
+        return any(self.ids)
 
     def alive_count(self) -> int:
         """Cold tokens of the first head (every head holds the same count)."""
-        return int(self.heads[0].alive.data.sum())
+        return int(self._alive.buf[0].sum())
 
     def held_positions(self, head: int) -> torch.Tensor:
         """Positions of this head's cold tokens, ascending (for checks and tests)."""
-        h = self.heads[head]
-        return h.pos.data[h.alive.data].sort().values
+        return self._pos.buf[head][self._alive.buf[head]].sort().values
 
-    def live_pages(self) -> list[torch.Tensor]:
-        """Per head, the indices of pages holding at least one cold token."""
-        return [torch.nonzero(h.alive.data.any(dim=1)).flatten() for h in self.heads]
+    def live_pages(self) -> torch.Tensor:
+        """The pages holding at least one cold token."""
+        return padded_indices(self._alive.buf[:, : self._pages].any(dim=-1))
 
     def digests(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(kmin, kmax) (Hkv, N, d) padded to the largest head, ``live`` (Hkv, N) and the bytes read.
+        """(kmin, kmax) (Hkv, N, d), ``live`` (Hkv, N) and the bytes read.
 
         A page's bounds cover all its tokens, promoted ones too: still an upper bound of its cold ones."""
-        n = max(h.kmin.length for h in self.heads)
-        d = self.heads[0].kmin.data.shape[1]
-        kmin = torch.zeros(len(self.heads), n, d, dtype=DIGEST_DTYPE)
-        kmax = torch.zeros_like(kmin)
-        live = torch.zeros(len(self.heads), n, dtype=torch.bool)
-        for i, h in enumerate(self.heads):
-            kmin[i, : h.kmin.length] = h.kmin.data
-            kmax[i, : h.kmax.length] = h.kmax.data
-            live[i, : h.alive.length] = h.alive.data.any(dim=1)
-        nbytes = 2 * sum(h.kmin.data.numel() for h in self.heads) * kmin.element_size()
-        return kmin.to(device), kmax.to(device), live.to(device), nbytes
+        n = self._pages
+        nbytes = 2 * sum(len(ids) for ids in self.ids) * self.head_dim * self._kmin.buf.element_size()
+        live = self._alive.buf[:, :n].any(dim=-1)
+        return self._kmin.buf[:, :n].to(device), self._kmax.buf[:, :n].to(device), live.to(device), nbytes
+
+    def _slots_of(self, head: int, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slot of each position (-1 where this head never made it cold)."""
+        table = self._slot_of[head]
+        out = torch.full_like(positions, -1)
+        known = positions < table.shape[0]
+        out[known] = table[positions[known]]
+        return out
+
+    def _index_positions(self, head: int, first_page: int) -> None:
+        """Record the flat slots of the head's pages from ``first_page`` on."""
+        p = self.page_tokens
+        pos = self._pos.buf[head, first_page : len(self.ids[head])].flatten()
+        flat = torch.arange(first_page * p, first_page * p + pos.numel())
+        real = pos >= 0
+        top = int(pos.max()) + 1 if pos.numel() else 0
+        table = self._slot_of[head]
+        if top > table.shape[0]:
+            grown = torch.full((max(top, 2 * table.shape[0]),), -1, dtype=torch.long)
+            grown[: table.shape[0]] = table
+            self._slot_of[head] = table = grown
+        table[pos[real]] = flat[real]
+
+    def _append(self, head: int, ids: list[str], pos: torch.Tensor, alive: torch.Tensor, kmin: torch.Tensor,
+                kmax: torch.Tensor) -> None:
+        """New pages of one head: their ids, positions and alive flags (m, P), bounds (m, d)."""
+        first = len(self.ids[head])
+        last = first + len(ids)
+        for table, rows in ((self._pos, pos), (self._alive, alive), (self._kmin, kmin), (self._kmax, kmax)):
+            table.ensure(last)
+            table.buf[head, first:last] = rows
+        self.ids[head] += ids
+        self._index_positions(head, first)
 
     # --- moves -------------------------------------------------------------------------------
     def demote(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> int:
@@ -142,15 +155,15 @@ class ColdLayer:
         p, d = self.page_tokens, keys.shape[-1]
         mask, pos_cpu = mask.cpu(), positions.cpu()
         fresh_of = []  # per head: the store slots of its tokens that need new page slots
-        for i, h in enumerate(self.heads):
+        for i in range(len(self.ids)):
             pos = pos_cpu[i][mask[i]]
             if pos.numel() == 0:
                 fresh_of.append(torch.zeros(0, dtype=torch.long))
                 continue
-            slots = h.slots_of(pos)
+            slots = self._slots_of(i, pos)
             again = slots >= 0
             if again.any():
-                h.alive.data.view(-1)[slots[again]] = True
+                self._alive.buf[i].view(-1)[slots[again]] = True
             fresh_of.append(torch.nonzero(mask[i]).flatten()[~again])
         if self.by_keys and any(f.numel() > p for f in fresh_of):
             fresh_of = self._grouped(keys, fresh_of)
@@ -183,17 +196,11 @@ class ColdLayer:
         kmin, kmax = stored.amin(dim=1).cpu(), stored.amax(dim=1).cpu()
         pos = torch.cat(new_pos)
         owner_t = torch.tensor(owners)
-        for i, h in enumerate(self.heads):
+        for i in range(len(self.ids)):
             rows = torch.nonzero(owner_t == i).flatten()
-            if rows.numel() == 0:
-                continue
-            first = h.pos.length
-            h.ids += [ids[r] for r in rows.tolist()]
-            h.pos.append(pos[rows])
-            h.alive.append(pos[rows] >= 0)
-            h.kmin.append(outward(kmin[rows], up=False))
-            h.kmax.append(outward(kmax[rows], up=True))
-            h.index_positions(first)
+            if rows.numel():
+                self._append(i, [ids[r] for r in rows.tolist()], pos[rows], pos[rows] >= 0,
+                             outward(kmin[rows], up=False), outward(kmax[rows], up=True))
         return written
 
     def _grouped(self, keys: torch.Tensor, fresh_of: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -207,68 +214,58 @@ class ColdLayer:
     def promote(self, slots: torch.Tensor) -> None:
         """Mark flat cold slots (Hkv, m) (-1: none) as held on the device again."""
         slots = slots.cpu()
-        for i, h in enumerate(self.heads):
-            s = slots[i][slots[i] >= 0]
-            if s.numel():
-                h.alive.data.view(-1)[s] = False
+        per_head = self._alive.buf.shape[1] * self.page_tokens
+        flat = torch.arange(slots.shape[0]).unsqueeze(1) * per_head + slots
+        self._alive.buf.view(-1)[flat[slots >= 0]] = False
 
-    def fetch(self, pages: list[torch.Tensor], device: torch.device, traffic: Traffic):
-        """Read the given pages of each head (one batched read) -> keys, values (Hkv, M, d), positions,
-        alive, flat slots (Hkv, M), M = P times the largest page count; shorter heads are padded with
-        dead slots."""
-        p = self.page_tokens
-        n = max((int(x.numel()) for x in pages), default=0)
-        ids = [self.heads[i].ids[j] for i, x in enumerate(pages) for j in x.tolist()]
-        hkv, d = len(self.heads), self.heads[0].kmin.data.shape[1]
+    def fetch(self, pages: torch.Tensor, device: torch.device, traffic: Traffic):
+        """Read the given pages (Hkv, n) (one batched read) -> keys, values (Hkv, n * P, d), positions,
+        alive, flat slots (Hkv, n * P); a head's -1 entries become dead slots."""
+        p, d, hkv = self.page_tokens, self.head_dim, len(self.ids)
+        n = pages.shape[1]
+        pages = pages.cpu()
+        ids = [self.ids[i][j] for i, row in enumerate(pages.tolist()) for j in row if j >= 0]
         if not ids:
             empty = torch.zeros(hkv, 0, d, dtype=self.dtype, device=device)
             none = torch.zeros(hkv, 0, dtype=torch.long, device=device)
             return empty, empty.clone(), none, none.bool(), none.clone()
         batch, from_redis = self.host.read_many(self.session_id, ids)
-        counts = [int(x.numel()) for x in pages]
         traffic.cold_bytes_read += len(ids) * self.host.page_bytes
         traffic.redis_bytes_read += from_redis
         k, v = self.codec.decode({name: t.to(device, non_blocking=True) for name, t in batch.items()}, self.dtype)
-        pos = [h.pos.data[x] for h, x in zip(self.heads, pages)]
-        alive = [h.alive.data[x] for h, x in zip(self.heads, pages)]
-        slots = [(x.unsqueeze(1) * p + torch.arange(p)).flatten() for x in pages]
-        if min(counts) != n:  # heads with fewer live pages: pad them with dead slots
-            k, v = self._pad_heads(k, counts, n), self._pad_heads(v, counts, n)
-            pos = [torch.cat([t, t.new_full((n - c, p), -1)]) for t, c in zip(pos, counts)]
-            alive = [torch.cat([t, t.new_zeros(n - c, p)]) for t, c in zip(alive, counts)]
-            slots = [torch.cat([t, t.new_full(((n - c) * p,), -1)]) for t, c in zip(slots, counts)]
-        # Pages arrive head by head, so (Hkv * n, P, d) is (Hkv, n * P, d) already.
-        return (k.reshape(hkv, n * p, d), v.reshape(hkv, n * p, d), torch.stack(pos).view(hkv, -1).to(device),
-                torch.stack(alive).view(hkv, -1).to(device), torch.stack(slots).to(device))
-
-    @staticmethod
-    def _pad_heads(t: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
-        """Pages (sum(counts), P, d), head by head -> (Hkv * n, P, d) with zero pages after each head's own."""
-        out = t.new_zeros(len(counts) * n, *t.shape[1:])
-        start = 0
-        for i, c in enumerate(counts):
-            out[i * n : i * n + c] = t[start : start + c]
-            start += c
-        return out
+        valid = pages >= 0
+        if len(ids) != hkv * n:  # heads with fewer pages: theirs in order, dead pages after them
+            where = valid.flatten().to(device)
+            full_k, full_v = k.new_zeros(hkv * n, p, d), v.new_zeros(hkv * n, p, d)
+            full_k[where], full_v[where] = k, v
+            k, v = full_k, full_v
+        safe, heads = pages.clamp(min=0), torch.arange(hkv).unsqueeze(1)
+        cell = valid.unsqueeze(-1)
+        pos = torch.where(cell, self._pos.buf[heads, safe], -1)
+        alive = self._alive.buf[heads, safe] & cell
+        slots = torch.where(cell, safe.unsqueeze(-1) * p + torch.arange(p), -1)
+        # Pages come head by head, so (Hkv * n, P, d) is (Hkv, n * P, d) already.
+        return (k.reshape(hkv, n * p, d), v.reshape(hkv, n * p, d), pos.view(hkv, -1).to(device),
+                alive.view(hkv, -1).to(device), slots.view(hkv, -1).to(device))
 
     def free(self) -> None:
-        self.host.free_many(self.session_id, [pid for h in self.heads for pid in h.ids])
-        d = self.heads[0].kmin.data.shape[1]
-        self.heads = [HeadPages(self.page_tokens, d) for _ in self.heads]
+        self.host.free_many(self.session_id, self.page_ids())
+        self._reset(len(self.ids))
 
     # --- persistence -------------------------------------------------------------------------
     def page_ids(self) -> list[str]:
-        return [pid for h in self.heads for pid in h.ids]
+        return [pid for ids in self.ids for pid in ids]
 
     def index_tensors(self) -> dict[str, torch.Tensor]:
         """The page table as tensors (written to Redis with the session's record)."""
         out = {}
-        for i, h in enumerate(self.heads):
-            out[f"pos{i}"] = h.pos.data.to(torch.int32)
-            out[f"alive{i}"] = h.alive.data
-            out[f"kmin{i}"] = h.kmin.data
-            out[f"kmax{i}"] = h.kmax.data
-            out[f"ids{i}"] = torch.tensor([int(pid.rsplit("-", 1)[1]) for pid in h.ids], dtype=torch.int64)
+        for i, ids in enumerate(self.ids):
+            n = len(ids)
+            out[f"pos{i}"] = self._pos.buf[i, :n].to(torch.int32)
+            out[f"alive{i}"] = self._alive.buf[i, :n].clone()
+            out[f"kmin{i}"] = self._kmin.buf[i, :n].clone()
+            out[f"kmax{i}"] = self._kmax.buf[i, :n].clone()
+            out[f"ids{i}"] = torch.tensor([int(pid.rsplit("-", 1)[1]) for pid in ids], dtype=torch.int64)
         return out
 
     def snapshot(self) -> dict:
@@ -278,11 +275,10 @@ class ColdLayer:
     def restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
         self.epoch, self._made = state["epoch"], int(state["made"])
         prefix = f"l{self.layer}-{self.epoch}-"
-        for i, h in enumerate(self.heads):
-            h.ids = [f"{prefix}{n}" for n in tensors[f"ids{i}"].tolist()]
-            h.pos.set(tensors[f"pos{i}"].long())
-            h.alive.set(tensors[f"alive{i}"])
-            h.kmin.set(outward(tensors[f"kmin{i}"], up=False))
-            h.kmax.set(outward(tensors[f"kmax{i}"], up=True))
-            h.index_positions(0)
+        self._reset(len(self.ids))
+        for i in range(len(self.ids)):
+            ids = [f"{prefix}{n}" for n in tensors[f"ids{i}"].tolist()]
+            if ids:
+                self._append(i, ids, tensors[f"pos{i}"].long(), tensors[f"alive{i}"],
+                             outward(tensors[f"kmin{i}"], up=False), outward(tensors[f"kmax{i}"], up=True))
         self.host.adopt_many(self.session_id, self.page_ids())

@@ -63,7 +63,7 @@ GATHER_FRACTION = 0.25  # wait for stragglers at most this fraction of the last 
 GATHER_MIN_S, GATHER_MAX_S = 0.001, 0.05
 SELECT_FRACTION = 0.5  # a slice of a chunked prefill's deferred selection: about this fraction of a decode step
 SELECT_MIN_S = 0.005
-MIN_CHUNK = 16  # fewest prefill tokens a chunk fed beside decode tokens carries
+MIN_CHUNK = 8  # fewest prefill tokens a chunk fed beside decode tokens carries
 DECODE_EMA = 0.3  # weight of the newest decode-only step in the running step time
 
 

@@ -65,6 +65,10 @@ class ComposedCache:
                 self.traffic.reset()
                 if rest:
                     self._chunked_from = (self.history_len, self.split)
+                    # The chunks append the whole turn to every layer: room for it now, so that no later
+                    # chunk's step (which carries other sessions' decode tokens) copies the history to grow.
+                    for store in self.layers:
+                        store.reserve(store.length + n_new + rest)
             split = self.rocket.split(self.history_len + n_new + rest + max_new, max_new, self.spec.head_dim)
             self.split = split
         self.step = ForwardStep(n_new=n_new, prefill=prefill, max_new=max_new, split=split, rest=rest)
@@ -110,6 +114,9 @@ class ComposedCache:
         q_win, scaling = self._unselected.pop(layer)
         self.prefill.select(layer, q_win, scaling)
 
+    # A turn's end and persisting settle the turn's re-selection in place (on tensors the model step made
+    # under inference mode): they run as jobs, outside a step, so they enter the mode themselves.
+    @torch.inference_mode()
     def end_turn(self) -> None:
         self.select_pending()
         self.prefill.end_turn()
@@ -119,6 +126,7 @@ class ComposedCache:
         self._window_tail.clear()
         self.prefill.release()
 
+    @torch.inference_mode()
     def persist(self) -> dict | None:
         self.select_pending()
         state = self.prefill.persist()

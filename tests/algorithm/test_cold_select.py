@@ -88,10 +88,12 @@ def test_candidate_pages_are_the_top_live_pages(per_head):
     live[2, [3, 9]] = True  # a head with fewer live pages than asked for
     live[3] = True
     scores[0, ~live[0]] += 100  # dead pages scoring highest must still never be chosen
-    got = candidate_pages(scores, live, per_head)
+    table = candidate_pages(scores, live, per_head)
     want = brute_top(scores, live, per_head)
-    assert len(got) == hkv
+    assert table.shape == (hkv, max(len(x) for x in want))  # padded to the head that got most
+    got = [row[row >= 0] for row in table]
     for h in range(hkv):
+        assert (table[h, len(got[h]):] == -1).all()  # a head's own pages first, then padding
         assert got[h].dtype == torch.long and torch.equal(got[h], want[h]), (h, got[h], want[h])
         assert len(got[h]) == min(per_head, int(live[h].sum()))
         assert bool(live[h][got[h]].all())
@@ -106,6 +108,7 @@ def test_candidate_pages_with_tied_scores_still_pick_a_valid_top():
     live = torch.ones(hkv, n, dtype=torch.bool)
     live[:, 0] = False
     got = candidate_pages(scores, live, k)
+    assert (got >= 0).all()
     for h in range(hkv):
         assert len(got[h]) == k and 7 in got[h].tolist() and bool(live[h][got[h]].all())
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from rocketkv_mt.stage1 import smooth, snapkv_keep_indices, window_scores
+from rocketkv_mt.stage1 import select_top, smooth, snapkv_keep_indices, window_scores
 
 
 def brute_force_keep(q_win, keys, budget, kernel, scaling):
@@ -64,3 +64,14 @@ def test_window_scores_are_probability_mass():
 def test_smooth_is_a_sliding_max():
     s = torch.tensor([[0.0, 5.0, 0.0, 0.0, 0.0, 1.0]])
     assert smooth(s, 3).tolist() == [[5.0, 5.0, 5.0, 0.0, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_select_top_is_a_stable_descending_sort(seed):
+    # Plateaus (as max pooling makes them), -inf for tokens that cannot be kept, and rows of mixed counts.
+    torch.manual_seed(seed)
+    scores = torch.randint(0, 6, (3, 200)).float()
+    scores[torch.rand(3, 200) < 0.2] = float("-inf")
+    for keep in [0, 1, 37, 150]:
+        want = torch.sort(torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep], dim=-1).values
+        assert torch.equal(select_top(scores, keep), want), keep

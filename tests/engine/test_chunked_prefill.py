@@ -116,15 +116,16 @@ def test_a_chunk_beside_decode_tokens_adds_about_one_decode_step():
 
 # --- the engine ----------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,grouping", [(m, "position") for m in MODES] + [("tiered", "keys")])
-async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_engine, mode, grouping):
-    """The same replies, and the same tokens kept with the same keys. Cold pages grouped by keys
-    (``RKV_PAGE_GROUPING=keys``) split at medians of projections that the chunks' float rounding can
-    move across, so pages, and then a later turn's re-admissions, may differ there: that case is held
-    to the same replies only."""
+@pytest.mark.parametrize("mode,reselect", [(m, "exhaustive") for m in MODES] + [("tiered", "digest")])
+async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_engine, mode, reselect):
+    """The same replies, and the same tokens kept with the same keys. With ``digest`` re-selection a
+    later turn reads the cold pages whose bounds rank highest, a discrete choice that the chunks' float
+    rounding can tip where two pages nearly tie (and pages grouped by keys split at medians that it can
+    move), so the later turn's tokens may attend over other pages: that case is held to the same
+    replies only."""
     results, overruns = [], []
     for chunk in (0, CHUNK):
-        engine = make_engine(prefill_chunk=chunk, page_grouping=grouping)
+        engine = make_engine(prefill_chunk=chunk, reselect=reselect)
         session = engine.create_session(mode=mode, budget=64)
         turns = []
         for seed, words in ((1, 230), (2, 80)):  # ~266 and ~96 new tokens
@@ -142,7 +143,7 @@ async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_en
     (whole, whole_cache, whole_keys), (chunked, chunked_cache, chunked_keys) = results
     assert chunked == whole
     assert all(len(ids) > 0 for ids, _, _ in whole)
-    if grouping == "keys":
+    if reselect == "digest":
         return
     assert chunked_cache == whole_cache
     for (pos_a, keys_a), (pos_b, keys_b) in zip(whole_keys, chunked_keys):
@@ -358,3 +359,30 @@ async def test_a_turn_stopped_between_chunks_leaves_the_session_as_before(make_e
     assert reply_ids(stopped, done_stopped) == reply_ids(reference, done_ref)
     assert done_stopped.usage == done_ref.usage
     assert stopped.messages == reference.messages and cache_state(stopped) == cache_state(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["full", "snapkv"])
+def test_a_chunked_prefill_allocates_its_layers_once(make_engine, mode):
+    # The first chunk makes room for the whole turn: a later chunk's step, which carries the other
+    # sessions' decode tokens, never copies the history to grow the buffers.
+    from app.engine.model_runner import Segment
+    from rocketkv_mt.config import RocketKVConfig
+
+    engine = make_engine()
+    ids = engine.tokenizer.encode(message(engine, 5, 400))
+    cache = engine.new_cache(mode, RocketKVConfig(token_budget=64), "grow-once")
+    try:
+        where = None
+        for start in range(0, len(ids), CHUNK):
+            chunk = ids[start : start + CHUNK]
+            rest = len(ids) - start - len(chunk)
+            engine.runner.step([Segment(cache, chunk, prefill=True, max_new=8, rest=rest)])
+            if rest == 0:
+                break
+            now = [layer.buffers[0].data_ptr() for layer in cache.layers]
+            assert where is None or now == where, start
+            where = now
+        assert len(ids) > 5 * CHUNK and cache.history_len == len(ids)
+    finally:
+        cache.release()

@@ -163,3 +163,23 @@ async def test_a_failed_turn_frees_its_host_chunks_and_the_session_goes_on(make_
         assert engine.host_tier.session_bytes(session.id) > 0
     finally:
         engine.delete_session(session.id)
+
+
+async def test_a_one_token_reply_applies_its_turns_selection(make_engine):
+    # A reply that ends at its first token (max_tokens=1, or an end token) has no decode step to settle
+    # the turn's re-selection: the turn's end applies it, and the next turn builds on it.
+    engine = make_engine(mode="tiered", token_budget=128)
+    session = engine.create_session()
+    try:
+        await engine.complete(session.id, FIRST, PARAMS)
+        one = await engine.complete(session.id, LATER[0], SamplingParams(max_tokens=1))
+        assert one.usage.generated_tokens == 1
+        cache = session.cache
+        assert cache.history_len == session.fed_tokens
+        for layer in range(len(cache.layers)):
+            held = torch.cat([cache.layers[layer].positions[0].cpu(), cache.prefill.cold[layer].held_positions(0)])
+            assert torch.equal(held.sort().values, torch.arange(cache.history_len)), layer
+        done = await engine.complete(session.id, LATER[1], PARAMS)
+        assert done.usage.generated_tokens > 0
+    finally:
+        engine.delete_session(session.id)
