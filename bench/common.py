@@ -29,6 +29,7 @@ class Engines:
         self.base = base
         self._engines: dict[tuple, object] = {}
         self._borrowed: set[tuple] = set()
+        self._loaded = None
 
     @classmethod
     def around(cls, engine) -> "Engines":
@@ -36,6 +37,7 @@ class Engines:
         engines = cls(**engine.settings.model_dump())
         engines._engines[()] = engine
         engines._borrowed.add(())
+        engines._loaded = engine.loaded
         return engines
 
     def get(self, overrides: dict):
@@ -44,9 +46,18 @@ class Engines:
 
         key = tuple(sorted(overrides.items()))
         if key not in self._engines:
-            loaded = next(iter(self._engines.values())).loaded if self._engines else None
-            self._engines[key] = Engine(Settings(**{**self.base, **overrides}), loaded=loaded)
+            self._engines[key] = engine = Engine(Settings(**{**self.base, **overrides}), loaded=self._loaded)
+            self._loaded = engine.loaded
         return self._engines[key]
+
+    def alone(self, overrides: dict):
+        """The engine of these settings, every other one (not borrowed) closed first. Its model thread
+        is then the only one working in the process, as in a replica: two model threads, each with its
+        own OpenMP team, slow each other down on a few cores even when one of them is idle."""
+        key = tuple(sorted(overrides.items()))
+        for other in [k for k in self._engines if k != key and k not in self._borrowed]:
+            self._engines.pop(other).close()
+        return self.get(overrides)
 
     def close(self) -> None:
         for key, engine in self._engines.items():

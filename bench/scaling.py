@@ -5,12 +5,18 @@ tokens (filler and a question), then two short turns. Reported per mode and leng
 and the third turn's time to first token, the third turn's wall time, the bytes it moved per tier
 (cold pages read from the host tier and from Redis, digests scored, pages demoted, bytes written to
 Redis) and the device bytes, next to the history's whole KV (what ``full`` holds). Modes alternate
-within each length, so they share the machine's state; compare ratios, not absolute times.
+within each length, so they share the machine's state; compare ratios, not absolute times. With
+``--repeats R`` each mode holds the conversation R times (the order of the modes reversed each
+time) and the times are the medians, so one slow turn on a shared machine does not decide a ratio.
+A mode whose settings differ runs on an engine of its own, and only one engine is open at a time
+(``Engines.alone``): one model thread works in the process, as in a replica.
 
 Modes: ``full``, ``rocketkv-mt``, ``tiered-exhaustive`` (every cold page read back each turn) and
 ``tiered-digest`` (only the pages whose key digests rank highest).
 """
 from __future__ import annotations
+
+import statistics
 
 from app.engine.sampling import SamplingParams
 from bench.common import TRAFFIC_FIELDS, Engines, fit_words, run_async, variant, write_json
@@ -28,6 +34,18 @@ def turn_record(done) -> dict:
     rec.update({k: getattr(mem, k) for k in TRAFFIC_FIELDS})
     rec["bytes_read"] = mem.cold_bytes_read + mem.digest_bytes_read
     return rec
+
+
+def median_turn(runs: list[dict]) -> dict:
+    """One turn's record over repeated conversations: times are the medians (each run's kept in
+    ``*_runs``), bytes and counts those of the last run (the same in every run)."""
+    out = dict(runs[-1])
+    for key in ("ttft_ms", "wall_ms"):
+        values = [r[key] for r in runs]
+        out[key] = round(statistics.median(values), 1)
+        if len(runs) > 1:
+            out[f"{key}_runs"] = values
+    return out
 
 
 async def conversation(engine, mode: str, budget: int, first: str, params: SamplingParams) -> list[dict]:
@@ -75,22 +93,24 @@ async def run(args) -> dict:
     if args.host_tier_bytes:
         base["host_tier_bytes"] = args.host_tier_bytes
     engines = Engines(**base)
-    for mode in modes:
-        engines.get(variant(mode)[1])
     some = engines.get({})
     params = SamplingParams(max_tokens=args.max_tokens)
     result = {"model": some.settings.model, "device": str(some.runner.device), "token_budget": args.budget,
-              "max_tokens": args.max_tokens, "modes": modes, "lengths": []}
+              "max_tokens": args.max_tokens, "repeats": max(1, args.repeats), "modes": modes, "lengths": []}
     try:
         for i, length in enumerate(lengths):
             first = fit_words(some.tokenizer, filler_text(length, seed=7 + i), length - 40)
             first += "\n\nWhat is this text about? Answer in one sentence."
             row = {"target_tokens": length, "modes": {}}
-            order = modes if i % 2 == 0 else list(reversed(modes))
-            for mode in order:
-                cache_mode, overrides = variant(mode)
-                turns = await conversation(engines.get(overrides), cache_mode, args.budget, first, params)
-                row["modes"][mode] = {"turn1": turns[0], "turn2": turns[1], "turn3": turns[2]}
+            runs: dict[str, list[list[dict]]] = {mode: [] for mode in modes}
+            for rep in range(max(1, args.repeats)):
+                order = modes if (i + rep) % 2 == 0 else list(reversed(modes))
+                for mode in order:
+                    cache_mode, overrides = variant(mode)
+                    engine = engines.alone(overrides)  # one model thread at a time, as in a replica
+                    runs[mode].append(await conversation(engine, cache_mode, args.budget, first, params))
+            for mode in modes:
+                row["modes"][mode] = {f"turn{t + 1}": median_turn([run[t] for run in runs[mode]]) for t in range(3)}
             full3 = row["modes"].get("full", {}).get("turn3")
             # The history's whole KV: every layer's keys and values of every token before turn 3's reply.
             row["history_tokens"] = history = _history_tokens(row, modes)

@@ -89,6 +89,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn (greedy)")
     p.add_argument("--redis-url", default=None, help="give the tiers Redis (pages spill there past the host bound)")
     p.add_argument("--host-tier-bytes", type=int, default=None, help="bound of the host tier (default: the server's)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="conversations per mode and length, modes alternating; times are their medians")
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of TTFT and bytes read against history")
     p.set_defaults(func=_run("bench.scaling"))
