@@ -49,6 +49,9 @@ def select_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
     keep = min(keep, scores.shape[-1])
     if keep == 0:
         return torch.zeros(scores.shape[0], 0, dtype=torch.long, device=scores.device)
+    if bool(torch.isnan(scores).any()):  # NaN ranks first in a sort but equals no threshold: sort then
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+        return torch.sort(order, dim=-1).values
     kth = torch.topk(scores, keep, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
     above = scores > kth
     tied = scores == kth
