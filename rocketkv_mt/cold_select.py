@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from tiers.cold_layer import padded_indices
+
 # exp() of a bound far above the normaliser is still a ranking, not a probability: cap it before exp.
 _MAX_LOG_RATIO = 60.0
 
@@ -46,7 +48,4 @@ def candidate_pages(scores: torch.Tensor, live: torch.Tensor, per_head: int) -> 
     if k == 0:
         return torch.zeros(hkv, 0, dtype=torch.long, device=scores.device)
     top = torch.topk(scores.masked_fill(~live, float("-inf")), k, dim=1).indices
-    chosen = torch.where(live.gather(1, top), top, n).sort(dim=1).values
-    m = int((chosen < n).sum(dim=1).max())
-    chosen = chosen[:, :m]
-    return torch.where(chosen == n, -1, chosen)
+    return padded_indices(torch.zeros_like(live).scatter_(1, top, live.gather(1, top)))

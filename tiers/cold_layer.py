@@ -32,8 +32,8 @@ def outward(x: torch.Tensor, up: bool) -> torch.Tensor:
 
 
 class _Table:
-    """Rows of every KV head's pages in one tensor (Hkv, capacity, *row), grown along the page axis;
-    rows past a head's page count hold ``fill``."""
+    """Rows of every KV head in one tensor (Hkv, capacity, *row), grown along its second axis (pages,
+    or positions); rows past what a head holds are ``fill``."""
 
     def __init__(self, heads: int, row: tuple[int, ...], dtype: torch.dtype, fill=0):
         self.fill = fill
@@ -81,7 +81,7 @@ class ColdLayer:
         self._alive = _Table(hkv, (p,), torch.bool, fill=False)
         self._kmin = _Table(hkv, (d,), DIGEST_DTYPE)
         self._kmax = _Table(hkv, (d,), DIGEST_DTYPE)
-        self._slot_of = [torch.full((0,), -1, dtype=torch.long) for _ in range(hkv)]  # position -> page * P + offset
+        self._slot_of = _Table(hkv, (), torch.long, fill=-1)  # (Hkv, positions): position -> page * P + offset
 
     @property
     def _pages(self) -> int:
@@ -114,7 +114,7 @@ class ColdLayer:
 
     def _slots_of(self, head: int, positions: torch.Tensor) -> torch.Tensor:
         """Flat slot of each position (-1 where this head never made it cold)."""
-        table = self._slot_of[head]
+        table = self._slot_of.buf[head]
         out = torch.full_like(positions, -1)
         known = positions < table.shape[0]
         out[known] = table[positions[known]]
@@ -126,13 +126,8 @@ class ColdLayer:
         pos = self._pos.buf[head, first_page : len(self.ids[head])].flatten()
         flat = torch.arange(first_page * p, first_page * p + pos.numel())
         real = pos >= 0
-        top = int(pos.max()) + 1 if pos.numel() else 0
-        table = self._slot_of[head]
-        if top > table.shape[0]:
-            grown = torch.full((max(top, 2 * table.shape[0]),), -1, dtype=torch.long)
-            grown[: table.shape[0]] = table
-            self._slot_of[head] = table = grown
-        table[pos[real]] = flat[real]
+        self._slot_of.ensure(int(pos.max()) + 1 if pos.numel() else 0)
+        self._slot_of.buf[head, pos[real]] = flat[real]
 
     def _append(self, head: int, ids: list[str], pos: torch.Tensor, alive: torch.Tensor, kmin: torch.Tensor,
                 kmax: torch.Tensor) -> None:
