@@ -82,8 +82,17 @@ class Settings(BaseSettings):
     )
     page_grouping: Literal["keys", "position"] = Field(
         "keys", description="Tiered `digest` mode: the tokens a turn demotes share cold pages with those whose "
-        "keys are nearest (`keys`: tight digests that rank pages well) or with their neighbours in the text "
-        "(`position`)."
+        "keys are nearest (`keys`: tight bounds that rank pages well) or with their neighbours in the text "
+        "(`position`: the runs Stage 1 keeps fill few pages; the grouping to use with a key sketch)."
+    )
+    sketch_bits: Literal[0, 2, 4] = Field(
+        0, description="Tiered `digest` mode: bits per channel of each cold token's key sketch (0: none). With a "
+        "sketch a turn runs Stage 1 over every cold token's estimated key and reads the pages holding what it "
+        "keeps; without one it ranks pages by their key bounds."
+    )
+    sketch_pool: float = Field(
+        8.0, ge=1, le=1024, description="Tiered `digest` mode with a key sketch: the pages whose sketches a turn "
+        "reads, as a multiple of the pages it fetches (those whose key bounds rank highest)."
     )
     cold_dtype: Literal["model", "int8"] = Field(
         "model", description="How cold pages are stored in host memory and Redis: in the model's dtype "

@@ -12,6 +12,8 @@ from bench.haystack import filler_text
 VARIANTS: dict[str, tuple[str, dict]] = {
     "tiered-exhaustive": ("tiered", {"reselect": "exhaustive"}),
     "tiered-digest": ("tiered", {"reselect": "digest"}),
+    # digest's ranking before key sketches: pages of similar keys ranked by their bounds alone
+    "tiered-bounds": ("tiered", {"reselect": "digest", "sketch_bits": 0, "page_grouping": "keys"}),
     "tiered-int8": ("tiered", {"reselect": "digest", "cold_dtype": "int8"}),
 }
 TRAFFIC_FIELDS = ("cold_bytes_read", "redis_bytes_read", "digest_bytes_read", "bytes_demoted", "redis_bytes_written")

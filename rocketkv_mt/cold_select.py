@@ -7,6 +7,13 @@ the device already holds (primary set and the new turn), so exp(bound - lse_devi
 query's share of any token of the page; summed over the window and the query heads of the KV group,
 it bounds the page's best Stage-1 score. The pages with the highest bounds are fetched.
 
+With a key sketch (``tiers.key_sketch``) every cold token has an estimated key, so Stage 1 can be
+run as ``exhaustive`` runs it, over the device's keys and every cold token, without a page read:
+the pages holding the tokens that choice keeps are fetched first (``page_picks``), then the pages
+whose sketched tokens carry the most window mass. Stage 1 then chooses again, exactly, over what was
+read. Pages of consecutive positions suit this: the choice keeps runs of neighbours (its max
+pooling), which fill few such pages.
+
 Shapes: Hq query heads, Hkv KV heads, g = Hq / Hkv, w window queries, T device slots, N cold pages
 per head, d head dim.
 """
@@ -16,6 +23,8 @@ import math
 
 import torch
 
+from rocketkv_mt.reselect import choose, scores_by_position
+from rocketkv_mt.split_attention import Part, window_probs
 from tiers.cold_layer import padded_indices
 
 # exp() of a bound far above the normaliser is still a ranking, not a probability: cap it before exp.
@@ -49,3 +58,36 @@ def candidate_pages(scores: torch.Tensor, live: torch.Tensor, per_head: int) -> 
         return torch.zeros(hkv, 0, dtype=torch.long, device=scores.device)
     top = torch.topk(scores.masked_fill(~live, float("-inf")), k, dim=1).indices
     return padded_indices(torch.zeros_like(live).scatter_(1, top, live.gather(1, top)))
+
+
+def page_picks(
+    q_win: torch.Tensor, window: Part, sketch: torch.Tensor, sketch_pos: torch.Tensor, sketch_alive: torch.Tensor,
+    device_pos: torch.Tensor, history_len: int, prompt_budget: int, kernel_size: int, scaling: float,
+    page_tokens: int,
+) -> torch.Tensor:
+    """Rank of each cold page by Stage 1's choice over the device and the sketched cold tokens:
+    (Hkv, N) float32, the number of its tokens that choice keeps plus a fraction < 1 that orders the
+    rest by the window mass their sketched tokens carry.
+
+    q_win (Hq, w, d); ``window``: the window rows' part over the T device keys, positions device_pos
+    (Hkv, T); sketch (Hkv, N * P, d) the estimated cold keys, page by page, with their positions and
+    alive flags (Hkv, N * P). The cold tokens are history, so every window query sees them."""
+    hq, w, d = q_win.shape
+    hkv = sketch.shape[0]
+    pages = sketch.shape[1] // page_tokens
+    q = q_win.reshape(hkv, (hq // hkv) * w, d).float()
+    logits = torch.matmul(q, sketch.transpose(1, 2)).mul_(scaling).masked_fill_(~sketch_alive.unsqueeze(1), float("-inf"))
+    lse = torch.logaddexp(window.lse.reshape(hkv, -1), torch.logsumexp(logits, dim=-1))
+    cold = torch.exp(logits.sub_(lse.unsqueeze(-1))).sum(dim=1)  # (Hkv, N * P)
+    probs = torch.cat([window_probs(window, lse.reshape(hq, w)), cold], dim=1)
+    key_pos = torch.cat([device_pos, sketch_pos], dim=1)
+    alive = torch.cat([torch.ones_like(device_pos, dtype=torch.bool), sketch_alive], dim=1)
+    raw = scores_by_position(probs, key_pos, alive, history_len, w)
+    slots = choose(raw, key_pos, alive, history_len, w, prompt_budget, kernel_size)[0]
+    t = device_pos.shape[1]
+    from_cold = slots >= t
+    page = torch.where(from_cold, (slots - t) // page_tokens, pages)
+    picks = torch.zeros(hkv, pages + 1, dtype=torch.float32, device=slots.device)
+    picks.scatter_add_(1, page, from_cold.float())
+    mass = cold.view(hkv, pages, page_tokens).sum(dim=-1)
+    return picks[:, :pages] + 0.5 * mass / mass.amax(dim=1, keepdim=True).clamp_min(1e-30)

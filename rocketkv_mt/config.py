@@ -30,6 +30,10 @@ class BudgetSplit:
     anchor_tokens: int = 0
     dense_layers: int = 0
 
+    def window_of(self, q):
+        """The observation window of a turn's queries q (Hq, n, d): its last min(W, n) rows."""
+        return q[:, -min(self.window_size, q.shape[1]) :]
+
     @property
     def topk_pages(self) -> int:
         return -(-self.topk // self.page_size)

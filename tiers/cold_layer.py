@@ -14,6 +14,7 @@ import secrets
 
 import torch
 
+from tiers import key_sketch
 from tiers.base import Traffic
 from tiers.codec import PageCodec
 from tiers.host import HostTier
@@ -63,12 +64,18 @@ class ColdLayer:
     largest head's page count; a head's rows past its own count are dead. Held as whole tables so that
     a turn reads digests, candidates and page rows of all heads in a few operations, not per head.
 
+    With ``sketch_bits`` each token also keeps a key sketch (``tiers.key_sketch``) beside the bounds.
+
     A ``pages`` argument or result is (Hkv, n) page indices per head, ascending, padded with -1."""
 
     def __init__(self, session_id: str, layer: int, host: HostTier, page_tokens: int, codec: PageCodec,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, by_keys: bool = False):
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, by_keys: bool = False,
+                 sketch_bits: int = 0):
         self.session_id, self.layer, self.host, self.page_tokens, self.codec = session_id, layer, host, page_tokens, codec
         self.by_keys = by_keys  # pages of similar keys (``page_grouping``), else of consecutive positions
+        self.sketch_bits = sketch_bits
+        if sketch_bits:
+            key_sketch.codes_per_byte(sketch_bits, head_dim)  # refuses what it cannot pack, before any page
         self.dtype, self.head_dim = dtype, head_dim
         self.epoch = secrets.token_hex(4)  # page ids are unique per cache, across processes and rebuilds
         self._made = 0
@@ -82,6 +89,7 @@ class ColdLayer:
         self._kmin = _Table(hkv, (d,), DIGEST_DTYPE)
         self._kmax = _Table(hkv, (d,), DIGEST_DTYPE)
         self._slot_of = _Table(hkv, (), torch.long, fill=-1)  # (Hkv, positions): position -> page * P + offset
+        self._codes = _Table(hkv, (p, key_sketch.nbytes_per_token(d, self.sketch_bits)), torch.uint8)
 
     @property
     def _pages(self) -> int:
@@ -112,6 +120,29 @@ class ColdLayer:
         live = self._alive.buf[:, :n].any(dim=-1)
         return self._kmin.buf[:, :n].to(device), self._kmax.buf[:, :n].to(device), live.to(device), nbytes
 
+    def sketched(self, device: torch.device, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The given pages' (Hkv, n) estimated keys (Hkv, n * P, d) float32, from their sketches and
+        bounds, their positions and alive flags (Hkv, n * P; a -1 page's slots are dead), and the
+        sketch bytes read (``sketch_bits`` > 0)."""
+        hkv, n = len(self.ids), pages.shape[1]
+        pages = pages.cpu()
+        at, pos, alive = self._rows(pages)
+        codes = self._codes.buf[at]
+        nbytes = int((pages >= 0).sum()) * codes[0, 0].numel() if n else 0
+        keys = key_sketch.decode(codes.to(device), self._kmin.buf[at].to(device), self._kmax.buf[at].to(device),
+                                 self.sketch_bits)
+        return keys.reshape(hkv, n * self.page_tokens, self.head_dim), pos.to(device), alive.to(device), nbytes
+
+    def _rows(self, pages: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """For pages (Hkv, n) on the CPU: the index of their table rows (a -1 page reads row 0), and
+        their slots' positions and alive flags (Hkv, n * P), -1 and dead for a -1 page."""
+        hkv = len(self.ids)
+        cell = (pages >= 0).unsqueeze(-1)
+        at = (torch.arange(hkv).unsqueeze(1), pages.clamp(min=0))
+        pos = torch.where(cell, self._pos.buf[at], -1)
+        alive = self._alive.buf[at] & cell
+        return at, pos.view(hkv, -1), alive.view(hkv, -1)
+
     def _slots_of(self, head: int, positions: torch.Tensor) -> torch.Tensor:
         """Flat slot of each position (-1 where this head never made it cold)."""
         table = self._slot_of.buf[head]
@@ -130,11 +161,13 @@ class ColdLayer:
         self._slot_of.buf[head, pos[real]] = flat[real]
 
     def _append(self, head: int, ids: list[str], pos: torch.Tensor, alive: torch.Tensor, kmin: torch.Tensor,
-                kmax: torch.Tensor) -> None:
-        """New pages of one head: their ids, positions and alive flags (m, P), bounds (m, d)."""
+                kmax: torch.Tensor, codes: torch.Tensor) -> None:
+        """New pages of one head: their ids, positions and alive flags (m, P), bounds (m, d), sketch
+        codes (m, P, c) (c = 0 without a sketch)."""
         first = len(self.ids[head])
         last = first + len(ids)
-        for table, rows in ((self._pos, pos), (self._alive, alive), (self._kmin, kmin), (self._kmax, kmax)):
+        tables = ((self._pos, pos), (self._alive, alive), (self._kmin, kmin), (self._kmax, kmax), (self._codes, codes))
+        for table, rows in tables:
             table.ensure(last)
             table.buf[head, first:last] = rows
         self.ids[head] += ids
@@ -187,16 +220,23 @@ class ColdLayer:
         encoded = self.codec.encode(k, v)
         written = self.host.put_many(self.session_id, ids, encoded)
         # Bounds of the keys a fetch gives back (with int8 these differ from k by up to half a step).
-        stored = self.codec.decode(encoded, self.dtype)[0]
-        kmin, kmax = stored.amin(dim=1).cpu(), stored.amax(dim=1).cpu()
+        stored = self.codec.decode(encoded, self.dtype)[0].cpu()
+        kmin, kmax = outward(stored.amin(dim=1), up=False), outward(stored.amax(dim=1), up=True)
+        codes = self._encode_sketch(stored, kmin, kmax)
         pos = torch.cat(new_pos)
         owner_t = torch.tensor(owners)
         for i in range(len(self.ids)):
             rows = torch.nonzero(owner_t == i).flatten()
             if rows.numel():
-                self._append(i, [ids[r] for r in rows.tolist()], pos[rows], pos[rows] >= 0,
-                             outward(kmin[rows], up=False), outward(kmax[rows], up=True))
+                self._append(i, [ids[r] for r in rows.tolist()], pos[rows], pos[rows] >= 0, kmin[rows], kmax[rows],
+                             codes[rows])
         return written
+
+    def _encode_sketch(self, keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+        """Sketch codes (m, P, c) of pages' keys (m, P, d) within their stored bounds; c = 0 without one."""
+        if not self.sketch_bits:
+            return torch.zeros(*keys.shape[:2], 0, dtype=torch.uint8)
+        return key_sketch.encode(keys, kmin, kmax, self.sketch_bits)
 
     def _grouped(self, keys: torch.Tensor, fresh_of: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each head's fresh slots reordered so that its pages hold similar keys (all heads at once)."""
@@ -234,20 +274,27 @@ class ColdLayer:
             full_k, full_v = k.new_zeros(hkv * n, p, d), v.new_zeros(hkv * n, p, d)
             full_k[where], full_v[where] = k, v
             k, v = full_k, full_v
-        safe, heads = pages.clamp(min=0), torch.arange(hkv).unsqueeze(1)
-        cell = valid.unsqueeze(-1)
-        pos = torch.where(cell, self._pos.buf[heads, safe], -1)
-        alive = self._alive.buf[heads, safe] & cell
-        slots = torch.where(cell, safe.unsqueeze(-1) * p + torch.arange(p), -1)
+        at, pos, alive = self._rows(pages)
+        slots = torch.where(valid.unsqueeze(-1), at[1].unsqueeze(-1) * p + torch.arange(p), -1)
         # Pages come head by head, so (Hkv * n, P, d) is (Hkv, n * P, d) already.
-        return (k.reshape(hkv, n * p, d), v.reshape(hkv, n * p, d), pos.view(hkv, -1).to(device),
-                alive.view(hkv, -1).to(device), slots.view(hkv, -1).to(device))
+        return (k.reshape(hkv, n * p, d), v.reshape(hkv, n * p, d), pos.to(device), alive.to(device),
+                slots.view(hkv, -1).to(device))
 
     def free(self) -> None:
         self.host.free_many(self.session_id, self.page_ids())
         self._reset(len(self.ids))
 
     # --- persistence -------------------------------------------------------------------------
+    def _restored_codes(self, tensors: dict[str, torch.Tensor], head: int, pages: int) -> torch.Tensor:
+        """A head's sketch codes from a persisted page table. A table written without them (another
+        ``sketch_bits``) gets the middle step of every range, so its pages rank by their centres."""
+        width = self._codes.buf.shape[-1]
+        codes = tensors.get(f"codes{head}")
+        if codes is not None and tuple(codes.shape) == (pages, self.page_tokens, width):
+            return codes
+        middle = sum(((1 << self.sketch_bits) // 2) << s for s in range(0, 8, self.sketch_bits or 8)) if width else 0
+        return torch.full((pages, self.page_tokens, width), middle, dtype=torch.uint8)
+
     def page_ids(self) -> list[str]:
         return [pid for ids in self.ids for pid in ids]
 
@@ -261,6 +308,8 @@ class ColdLayer:
             out[f"kmin{i}"] = self._kmin.buf[i, :n].clone()
             out[f"kmax{i}"] = self._kmax.buf[i, :n].clone()
             out[f"ids{i}"] = torch.tensor([int(pid.rsplit("-", 1)[1]) for pid in ids], dtype=torch.int64)
+            if self.sketch_bits:
+                out[f"codes{i}"] = self._codes.buf[i, :n].clone()
         return out
 
     def snapshot(self) -> dict:
@@ -275,5 +324,6 @@ class ColdLayer:
             ids = [f"{prefix}{n}" for n in tensors[f"ids{i}"].tolist()]
             if ids:
                 self._append(i, ids, tensors[f"pos{i}"].long(), tensors[f"alive{i}"],
-                             outward(tensors[f"kmin{i}"], up=False), outward(tensors[f"kmax{i}"], up=True))
+                             outward(tensors[f"kmin{i}"], up=False), outward(tensors[f"kmax{i}"], up=True),
+                             self._restored_codes(tensors, i, len(ids)))
         self.host.adopt_many(self.session_id, self.page_ids())

@@ -163,10 +163,9 @@ class ComposedCache:
             if self._chunked_from is not None:  # a chunk: nothing is selected until the prefill has ended
                 store = self.layers[layer]
                 out = dense_attention(q, store.keys, store.values, scaling)
-                w = self.split.window_size
                 before = self._window_tail.pop(layer, None)
-                tail = q if before is None or q.shape[1] >= w else torch.cat([before, q], dim=1)
-                tail = tail[:, -min(w, tail.shape[1]) :].clone()
+                tail = q if before is None or q.shape[1] >= self.split.window_size else torch.cat([before, q], dim=1)
+                tail = self.split.window_of(tail).clone()
                 if self.step.rest:
                     self._window_tail[layer] = tail
                 else:  # the last chunk: the window selects, later (``select_pending``)

@@ -23,15 +23,30 @@ class TierPolicy:
     the pages whose digests rank highest (``digest``). candidates: cold tokens' worth of pages a
     ``digest`` turn reads per KV head, as a fraction of the prompt budget. page_grouping: with ``digest``, a demotion's tokens share pages
     with the tokens whose keys are nearest (``keys``) or with their neighbours in the text
-    (``position``; ``exhaustive`` reads every page, so it always pages by position). codec:
-    how pages are stored."""
+    (``position``; ``exhaustive`` reads every page, so it always pages by position). sketch_bits:
+    with ``digest``, bits per channel of every cold token's key sketch (``tiers.key_sketch``; 0: none),
+    by which a turn runs Stage 1 over the sketched tokens of a pool of pages (``sketch_pool`` times
+    the candidates, those whose bounds rank highest) before reading a page. codec: how pages are
+    stored."""
 
     page_tokens: int = 32
     prefill_attention: Literal["dense", "selected"] = "dense"
     reselect: Literal["digest", "exhaustive"] = "digest"
     candidates: float = 0.5
     page_grouping: Literal["keys", "position"] = "keys"
+    sketch_bits: int = 0
+    sketch_pool: float = 8.0
     codec: PageCodec = field(default_factory=RawCodec)
+
+    @property
+    def pages_by_keys(self) -> bool:
+        """Whether demoted tokens are paged by their keys: only ``digest`` ranks pages, so only it gains."""
+        return self.reselect == "digest" and self.page_grouping == "keys"
+
+    @property
+    def sketched(self) -> int:
+        """Bits of the key sketch cold tokens keep: only ``digest`` reads it."""
+        return self.sketch_bits if self.reselect == "digest" else 0
 
 
 @dataclass

@@ -198,3 +198,51 @@ def test_a_pending_selection_keeps_exactly_the_tokens_it_promotes():
         cold = slots[h] >= t
         assert torch.equal(kept[4][h][new_slots[h][cold] - t], cand[4][h][slots[h][cold] - t])
         assert (kept[4][h][~kept[3][h]] == -1).all()
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_page_picks_with_exact_keys_count_the_tokens_exhaustive_stage1_keeps(group):
+    """With every cold key known exactly (a perfect sketch), a page's rank is the number of its tokens
+    that Stage 1 over the device and every cold token keeps: exhaustive's choice, before any page read;
+    pages with none rank by the window mass of their tokens, below every page with one."""
+    from rocketkv_mt.cold_select import page_picks
+    from rocketkv_mt.split_attention import attend_part
+
+    gen = torch.Generator().manual_seed(40 + group)
+    hkv, w, d, history, budget, kernel, p, cold_n = 2, 6, 16, 150, 40, 5, 8, 64
+    scaling = d ** -0.5
+    q = torch.randn(hkv * group, w, d, generator=gen) * 2
+    keys = torch.randn(hkv, history, d, generator=gen) * 2
+    values = torch.randn(hkv, history, d, generator=gen)
+    cold_pos, dev_pos = split_history(hkv, history, w, cold_n, gen)  # device slots end with the window
+    gather = lambda t, pos: torch.stack([t[h, pos[h]] for h in range(hkv)])  # noqa: E731
+    dev_keys, cold_keys = gather(keys, dev_pos), gather(keys, cold_pos)
+    cold_alive = torch.rand(hkv, cold_n, generator=gen) < 0.8  # promoted tokens keep their page slot
+    cold_pos_seen = torch.where(cold_alive, cold_pos, -1)
+    window = attend_part(q, dev_keys, gather(values, dev_pos), scaling, w, own_tail=w)
+
+    ranks = page_picks(q, window, cold_keys, cold_pos, cold_alive, dev_pos, history, budget, kernel, scaling, p)
+    assert ranks.shape == (hkv, cold_n // p)
+
+    # Exhaustive: Stage 1 over the device slots and the alive cold ones, all in one set.
+    all_keys = torch.cat([dev_keys, cold_keys], dim=1)
+    all_pos = torch.cat([dev_pos, cold_pos_seen], dim=1)
+    alive = torch.cat([torch.ones_like(dev_pos, dtype=torch.bool), cold_alive], dim=1)
+    slots, _, _ = reselect(q, all_keys, all_pos, alive, history, budget, kernel, scaling)
+    t = dev_pos.shape[1]
+    for h in range(hkv):
+        cold_slots = slots[h][slots[h] >= t] - t
+        want = torch.bincount(cold_slots // p, minlength=cold_n // p)
+        assert want.sum() > 0  # the case exercises promotions
+        assert torch.equal(ranks[h].floor().long(), want), (h, ranks[h], want)
+        frac = ranks[h] - ranks[h].floor()
+        assert (frac >= 0).all() and (frac <= 0.5 + 1e-6).all()
+        # Among pages Stage 1 keeps nothing of, the one whose tokens carry most window mass ranks first.
+        none = want == 0
+        if int(none.sum()) > 1:
+            qq = q.reshape(hkv, group * w, d)[h]
+            lse = torch.logsumexp(torch.cat([qq @ dev_keys[h].T, qq @ cold_keys[h][cold_alive[h]].T], dim=1) * scaling,
+                                  dim=1, keepdim=True)
+            mass = torch.where(cold_alive[h], torch.exp(qq @ cold_keys[h].T * scaling - lse).sum(0), 0.0)
+            mass = mass.view(-1, p).sum(1)
+            assert int(torch.argmax(torch.where(none, ranks[h], -1.0))) == int(torch.argmax(torch.where(none, mass, -1.0)))

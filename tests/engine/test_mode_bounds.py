@@ -15,6 +15,7 @@ TIER_POLICIES = {
     "exhaustive": TierPolicy(page_tokens=8, reselect="exhaustive"),
     "selected": TierPolicy(page_tokens=8, prefill_attention="selected"),
     "wide-digest": TierPolicy(page_tokens=4, reselect="digest", candidates=4.0),
+    "sketch": TierPolicy(page_tokens=8, reselect="digest", page_grouping="position", sketch_bits=2),
 }
 # (new tokens, max new tokens) per turn: a long first turn, short and long follow-ups, a reply longer
 # than its prompt.

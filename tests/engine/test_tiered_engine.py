@@ -31,11 +31,12 @@ async def converse(engine, session, turns):
     return outs
 
 
-async def test_every_position_is_in_exactly_one_tier_after_every_turn(make_engine, redis_url):
+@pytest.mark.parametrize("ranking", [{}, {"page_grouping": "position", "sketch_bits": 2}], ids=["bounds", "sketch"])
+async def test_every_position_is_in_exactly_one_tier_after_every_turn(make_engine, redis_url, ranking):
     # A host tier of 288 pages (9,216 cold tokens of all layers and heads) forces spills to Redis, so
     # all three tiers hold part of the history.
     engine = make_engine(mode="tiered", token_budget=128, redis_url=redis_url, redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
-                         host_tier_bytes=288 * PAGE_BYTES, page_tokens=32)
+                         host_tier_bytes=288 * PAGE_BYTES, page_tokens=32, **ranking)
     session = engine.create_session()
     try:
         for text in [FIRST, *LATER[:2]]:

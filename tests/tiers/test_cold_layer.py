@@ -220,3 +220,54 @@ def test_digests_of_float32_keys_are_bfloat16_bounds_one_step_wide_at_most():
     assert ((x - lo.float()) <= step).all() and ((hi.float() - x) <= step).all()
     exact = x.to(DIGEST_DTYPE)
     assert torch.equal(outward(exact.float(), up=True), exact) and torch.equal(outward(exact.float(), up=False), exact)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_a_sketch_estimates_every_cold_key_and_survives_a_restore(bits):
+    keys, values, positions = make_store(12)
+    host = HostTier(1 << 20, pin=False)
+    layer = ColdLayer("s1", 2, host, P, RawCodec(), HKV, D, DTYPE, sketch_bits=bits)
+    layer.demote(keys, values, positions, make_mask([40, 25, 9], seed=13))
+    every = torch.stack([torch.arange(3), torch.tensor([0, 1, -1]), torch.tensor([0, -1, -1])])
+    assert torch.equal(layer.live_pages(), every)
+    est, pos, alive, nbytes = layer.sketched(torch.device("cpu"), every)
+    kmin, kmax, _, _ = layer.digests(torch.device("cpu"))
+    pages = [len(ids) for ids in layer.ids]
+    assert nbytes == sum(pages) * P * D * bits // 8
+    assert est.shape == (HKV, max(pages) * P, D) and est.dtype == torch.float32
+    for h in range(HKV):
+        truth = by_position(keys, values, positions, h)
+        step = ((kmax[h].float() - kmin[h].float()) / (1 << bits)).repeat_interleave(P, dim=0)
+        for i in torch.nonzero(alive[h]).flatten().tolist():
+            err = (est[h, i] - truth[int(pos[h, i])][0].float()).abs()
+            assert (err <= step[i] / 2 + 1e-6).all()
+        assert int(alive[h].sum()) == [40, 25, 9][h]
+    # Some pages only: the same rows for those, dead slots for the padding.
+    some = torch.tensor([[1, 2], [1, -1], [-1, -1]])
+    part, part_pos, part_alive, part_nbytes = layer.sketched(torch.device("cpu"), some)
+    assert part_nbytes == 3 * P * D * bits // 8 and part.shape == (HKV, 2 * P, D)
+    assert torch.equal(part[0], est[0, P:]) and torch.equal(part[1, :P], est[1, P : 2 * P])
+    assert torch.equal(part_pos[0], pos[0, P:]) and torch.equal(part_alive[0], alive[0, P:])
+    assert not part_alive[1, P:].any() and not part_alive[2].any() and (part_pos[2] == -1).all()
+    # Persisted and restored, the sketch is the same; a table persisted without one gets middle steps.
+    header, data = encode_tensors(layer.index_tensors())
+    tensors, _ = decode_tensors(header, data)
+    copy = ColdLayer("s1", 2, host, P, RawCodec(), HKV, D, DTYPE, sketch_bits=bits)
+    copy.restore(json.loads(json.dumps(layer.snapshot())), tensors)
+    *got, got_nbytes = copy.sketched(torch.device("cpu"), every)
+    assert all(torch.equal(x, y) for x, y in zip(got, (est, pos, alive))) and got_nbytes == nbytes
+    plain = new_layer(host)
+    plain.restore(layer.snapshot(), {k: t for k, t in tensors.items() if not k.startswith("codes")})
+    blind = ColdLayer("s1", 2, host, P, RawCodec(), HKV, D, DTYPE, sketch_bits=bits)
+    blind.restore(layer.snapshot(), plain.index_tensors())
+    middle = blind.sketched(torch.device("cpu"), every)[0]
+    valid = (every >= 0).repeat_interleave(P, dim=1)
+    lo, hi = kmin.float().repeat_interleave(P, dim=1), kmax.float().repeat_interleave(P, dim=1)
+    middle, lo, hi = middle[valid], lo[valid], hi[valid]
+    assert ((middle >= lo - 1e-6) & (middle <= hi + 1e-6)).all()
+    assert torch.allclose(middle, lo + (hi - lo) * ((1 << bits) // 2 + 0.5) / (1 << bits))
+
+
+def test_a_cold_layer_refuses_a_sketch_it_cannot_pack():
+    with pytest.raises(ValueError):
+        ColdLayer("s1", 2, HostTier(1 << 20, pin=False), P, RawCodec(), HKV, 6, DTYPE, sketch_bits=2)

@@ -19,7 +19,7 @@ class EvictOnce(PrefillPolicy):
     def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         store = self.cache.layers[layer]
         out = dense_attention(q, store.keys, store.values, scaling)
-        self.select(layer, q[:, -min(self.cache.split.window_size, q.shape[1]) :], scaling)
+        self.select(layer, self.cache.split.window_of(q), scaling)
         return out
 
     def select(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:

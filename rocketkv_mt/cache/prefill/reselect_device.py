@@ -21,7 +21,7 @@ class ReselectDevice(PrefillPolicy):
     def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         full = self.cache.layers[layer]
         out = dense_attention(q, full.keys, full.values, scaling)
-        self.select(layer, q[:, -min(self.cache.split.window_size, q.shape[1]) :], scaling)
+        self.select(layer, self.cache.split.window_of(q), scaling)
         return out
 
     def select(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:

@@ -19,7 +19,7 @@ from rocketkv_mt.attention_ops import dense_attention, positional_attention
 from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
-from rocketkv_mt.cold_select import candidate_pages, page_bounds, pages_per_head
+from rocketkv_mt.cold_select import candidate_pages, page_bounds, page_picks, pages_per_head
 from rocketkv_mt.reselect import choose, reselect, scores_by_position
 from rocketkv_mt.split_attention import attend_part, join_rows, merge, window_probs
 from tiers.base import batch_nbytes
@@ -68,7 +68,7 @@ class ReselectTiered(PrefillPolicy):
         self.cold = [
             ColdLayer(tiers.session_id, i, tiers.host, policy.page_tokens, policy.codec, spec.num_kv_heads,
                       spec.head_dim, spec.dtype,
-                      by_keys=policy.reselect == "digest" and policy.page_grouping == "keys")
+                      by_keys=policy.pages_by_keys, sketch_bits=policy.sketched)
             for i in range(spec.num_layers)
         ]
         self._pending: list[Pending | None] = [None] * spec.num_layers
@@ -96,21 +96,21 @@ class ReselectTiered(PrefillPolicy):
     def attend(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         cache, policy = self.cache, self.tiers.policy
         store, cold, split = cache.layers[layer], self.cold[layer], cache.split
-        n = q.shape[1]
-        w = min(split.window_size, n)
+        n, q_win = q.shape[1], split.window_of(q)
+        w = q_win.shape[1]
         total = cache.history_len + n
         if not cold.has_pages():
             out = dense_attention(q, store.keys, store.values, scaling)
             if store.length <= split.prompt_budget:
                 cache.selected(layer, store, None)
                 return out
-            self.select(layer, q[:, -w:], scaling)
+            self.select(layer, q_win, scaling)
             return self._selected_attention(layer, q, scaling) if policy.prefill_attention == "selected" else out
         # The device part first (primary set and the turn, the turn causal); its window rows rank the
         # cold pages, which are read while the other rows attend; the pages read back are the second
         # part; one exact softmax over both.
-        window = attend_part(q[:, n - w :], store.keys, store.values, scaling, w, own_tail=n, first_row=n - w)
-        read = partial(self._read_candidates, layer, q[:, -w:], window, scaling)
+        window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w)
+        read = partial(self._read_candidates, layer, q_win, window, scaling, total)
         transfers = self.tiers.transfers
         reading = transfers.start(read) if transfers is not None and transfers.pays(n > w) else None
         device = window
@@ -189,12 +189,13 @@ class ReselectTiered(PrefillPolicy):
         store.replace(new_k, new_v, positions)
         cache.selected(layer, store, scores)
 
-    def _read_candidates(self, layer: int, q_win: torch.Tensor, window, scaling: float):
+    def _read_candidates(self, layer: int, q_win: torch.Tensor, window, scaling: float, total: int):
         """The cold pages this turn scores, read from the tiers: keys, values (Hkv, M, d), positions,
         alive, flat cold slots (Hkv, M). ``exhaustive``: all pages with cold tokens; ``digest``: the
-        pages whose bounds rank highest, a budgeted number per KV head. ``window``: the window rows'
-        attention part over the device keys (its normaliser bounds the final one).
-        Runs on the page reader's thread while the model thread attends with the other rows."""
+        pages whose digests rank highest, a budgeted number per KV head. ``window``: the window rows'
+        attention part over the device keys (its normaliser bounds the final one); ``total``: the
+        history's length with the turn. Runs on the page reader's thread while the model thread
+        attends with the other rows."""
         cache, policy = self.cache, self.tiers.policy
         cold, dev, split = self.cold[layer], cache.spec.device, cache.split
         if policy.reselect == "exhaustive":
@@ -203,7 +204,17 @@ class ReselectTiered(PrefillPolicy):
         cache.traffic.digest_bytes_read += nbytes
         bounds = page_bounds(q_win, kmin, kmax, window.lse.reshape(kmin.shape[0], -1), scaling)
         per_head = pages_per_head(policy.candidates, split.prompt_budget, policy.page_tokens)
-        return cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic)
+        if not cold.sketch_bits:
+            return cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic)
+        # The pages whose bounds rank highest are the pool whose sketches are read; Stage 1 over the
+        # device and the pool's sketched tokens then says which of them to read.
+        pool = candidate_pages(bounds, live, math.ceil(per_head * policy.sketch_pool))
+        sketch, pos, alive, nbytes = cold.sketched(dev, pool)
+        cache.traffic.digest_bytes_read += nbytes
+        ranks = page_picks(q_win, window, sketch, pos, alive, cache.layers[layer].positions, total,
+                           split.prompt_budget, split.kernel_size, scaling, policy.page_tokens)
+        chosen = candidate_pages(ranks, pool >= 0, per_head)
+        return cold.fetch(torch.where(chosen >= 0, torch.gather(pool, 1, chosen.clamp(min=0)), -1), dev, cache.traffic)
 
     # --- memory ------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -219,7 +230,11 @@ class ReselectTiered(PrefillPolicy):
         if tiers.reselect == "exhaustive":
             return kv + turn.layer_bytes * 2 * (turn.fed + turn.new)
         pages = pages_per_head(tiers.candidates, turn.split.prompt_budget, tiers.page_tokens)
-        return (kv + turn.token_bytes * min(turn.fed, pages * tiers.page_tokens)
+        # A sketch's scratch: the pool's estimated keys in float32 and the window's logits over them,
+        # within 4 tokens' keys and values of one layer a pool token (fp32 or bf16, g * w <= 128).
+        pool = min(turn.fed, math.ceil(pages * tiers.sketch_pool) * tiers.page_tokens)
+        sketch = turn.layer_bytes * 4 * pool if tiers.sketched else 0
+        return (kv + turn.token_bytes * min(turn.fed, pages * tiers.page_tokens) + sketch
                 + turn.layer_bytes * 2 * (math.ceil(turn.fed / tiers.page_tokens) + turn.new))
 
     @staticmethod
