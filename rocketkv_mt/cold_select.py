@@ -73,12 +73,19 @@ def page_picks(
     (Hkv, T); sketch (Hkv, N * P, d) the estimated cold keys, page by page, with their positions and
     alive flags (Hkv, N * P). The cold tokens are history, so every window query sees them."""
     hq, w, d = q_win.shape
-    hkv = sketch.shape[0]
-    pages = sketch.shape[1] // page_tokens
+    hkv, m = sketch.shape[:2]
+    pages = m // page_tokens
+    if pages == 0:
+        return torch.zeros(hkv, 0, dtype=torch.float32, device=sketch.device)
     q = q_win.reshape(hkv, (hq // hkv) * w, d).float()
-    logits = torch.matmul(q, sketch.transpose(1, 2)).mul_(scaling).masked_fill_(~sketch_alive.unsqueeze(1), float("-inf"))
-    lse = torch.logaddexp(window.lse.reshape(hkv, -1), torch.logsumexp(logits, dim=-1))
-    cold = torch.exp(logits.sub_(lse.unsqueeze(-1))).sum(dim=1)  # (Hkv, N * P)
+    lse = window.lse.reshape(hkv, -1).clone()  # becomes each row's normaliser over the device and the pool
+    cold = torch.zeros(hkv, m, dtype=torch.float32, device=sketch.device)
+    dead = ~sketch_alive.unsqueeze(1)
+    for start in range(0, q.shape[1], d):  # d rows at a time: the logits never outgrow the estimated keys
+        logits = torch.matmul(q[:, start : start + d], sketch.transpose(1, 2)).mul_(scaling).masked_fill_(dead, float("-inf"))
+        rows = torch.logaddexp(lse[:, start : start + d], torch.logsumexp(logits, dim=-1))
+        lse[:, start : start + d] = rows
+        cold += torch.exp(logits.sub_(rows.unsqueeze(-1))).sum(dim=1)  # (Hkv, N * P)
     probs = torch.cat([window_probs(window, lse.reshape(hq, w)), cold], dim=1)
     key_pos = torch.cat([device_pos, sketch_pos], dim=1)
     alive = torch.cat([torch.ones_like(device_pos, dtype=torch.bool), sketch_alive], dim=1)

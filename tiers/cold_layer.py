@@ -220,8 +220,8 @@ class ColdLayer:
         encoded = self.codec.encode(k, v)
         written = self.host.put_many(self.session_id, ids, encoded)
         # Bounds of the keys a fetch gives back (with int8 these differ from k by up to half a step).
-        stored = self.codec.decode(encoded, self.dtype)[0].cpu()
-        kmin, kmax = outward(stored.amin(dim=1), up=False), outward(stored.amax(dim=1), up=True)
+        stored = self.codec.decode(encoded, self.dtype)[0]
+        kmin, kmax = outward(stored.amin(dim=1).cpu(), up=False), outward(stored.amax(dim=1).cpu(), up=True)
         codes = self._encode_sketch(stored, kmin, kmax)
         pos = torch.cat(new_pos)
         owner_t = torch.tensor(owners)
@@ -236,7 +236,7 @@ class ColdLayer:
         """Sketch codes (m, P, c) of pages' keys (m, P, d) within their stored bounds; c = 0 without one."""
         if not self.sketch_bits:
             return torch.zeros(*keys.shape[:2], 0, dtype=torch.uint8)
-        return key_sketch.encode(keys, kmin, kmax, self.sketch_bits)
+        return key_sketch.encode(keys.cpu(), kmin, kmax, self.sketch_bits)
 
     def _grouped(self, keys: torch.Tensor, fresh_of: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each head's fresh slots reordered so that its pages hold similar keys (all heads at once)."""
@@ -287,7 +287,8 @@ class ColdLayer:
     # --- persistence -------------------------------------------------------------------------
     def _restored_codes(self, tensors: dict[str, torch.Tensor], head: int, pages: int) -> torch.Tensor:
         """A head's sketch codes from a persisted page table. A table written without them (another
-        ``sketch_bits``) gets the middle step of every range, so its pages rank by their centres."""
+        ``sketch_bits``) gets the step just above the middle of every range: its tokens rank as their
+        pages' centres do."""
         width = self._codes.buf.shape[-1]
         codes = tensors.get(f"codes{head}")
         if codes is not None and tuple(codes.shape) == (pages, self.page_tokens, width):

@@ -42,7 +42,7 @@ def encode(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int
 def decode(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
     """Estimated keys (..., P, d) float32 from packed codes (..., P, c) and their pages' bounds (..., d)."""
     d = kmin.shape[-1]
-    per_byte = codes_per_byte(bits, d)
+    codes_per_byte(bits, d)  # refuses what it cannot unpack
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
     unpacked = (codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     steps = unpacked.reshape(*codes.shape[:-1], d).float() + 0.5

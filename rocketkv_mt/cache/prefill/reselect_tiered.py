@@ -230,8 +230,9 @@ class ReselectTiered(PrefillPolicy):
         if tiers.reselect == "exhaustive":
             return kv + turn.layer_bytes * 2 * (turn.fed + turn.new)
         pages = pages_per_head(tiers.candidates, turn.split.prompt_budget, tiers.page_tokens)
-        # A sketch's scratch: the pool's estimated keys in float32 and the window's logits over them,
-        # within 4 tokens' keys and values of one layer a pool token (fp32 or bf16, g * w <= 128).
+        # A sketch's scratch: the pool's estimated keys in float32 and the logits of d window rows at a
+        # time over them (``page_picks``), 12 * Hkv * d bytes a pool token: within 4 tokens' keys and
+        # values of one layer in a 16- or 32-bit model.
         pool = min(turn.fed, math.ceil(pages * tiers.sketch_pool) * tiers.page_tokens)
         sketch = turn.layer_bytes * 4 * pool if tiers.sketched else 0
         return (kv + turn.token_bytes * min(turn.fed, pages * tiers.page_tokens) + sketch
