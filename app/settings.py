@@ -87,8 +87,8 @@ class Settings(BaseSettings):
     )
     sketch_bits: Literal[0, 2, 4] = Field(
         0, description="Tiered `digest` mode: bits per channel of each cold token's key sketch (0: none). With a "
-        "sketch a turn runs Stage 1 over every cold token's estimated key and reads the pages holding what it "
-        "keeps; without one it ranks pages by their key bounds."
+        "sketch a turn runs Stage 1 over the estimated keys of a pool of pages (`sketch_pool`) and reads the pages "
+        "holding what it keeps; without one it ranks pages by their key bounds."
     )
     sketch_pool: float = Field(
         8.0, ge=1, le=1024, description="Tiered `digest` mode with a key sketch: the pages whose sketches a turn "

@@ -12,7 +12,7 @@ from bench.haystack import filler_text
 VARIANTS: dict[str, tuple[str, dict]] = {
     "tiered-exhaustive": ("tiered", {"reselect": "exhaustive"}),
     "tiered-digest": ("tiered", {"reselect": "digest"}),
-    # digest's ranking before key sketches: pages of similar keys ranked by their bounds alone
+    # pages of similar keys ranked by their bounds alone (the default), whatever RKV_SKETCH_BITS says
     "tiered-bounds": ("tiered", {"reselect": "digest", "sketch_bits": 0, "page_grouping": "keys"}),
     "tiered-int8": ("tiered", {"reselect": "digest", "cold_dtype": "int8"}),
 }

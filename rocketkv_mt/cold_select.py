@@ -8,8 +8,8 @@ query's share of any token of the page; summed over the window and the query hea
 it bounds the page's best Stage-1 score. The pages with the highest bounds are fetched.
 
 With a key sketch (``tiers.key_sketch``) every cold token has an estimated key, so Stage 1 can be
-run as ``exhaustive`` runs it, over the device's keys and every cold token, without a page read:
-the pages holding the tokens that choice keeps are fetched first (``page_picks``), then the pages
+run as ``exhaustive`` runs it, over the device's keys and the sketched tokens of a pool of pages
+(those whose bounds rank highest), without a page read: the pages holding the tokens that choice keeps are fetched first (``page_picks``), then the pages
 whose sketched tokens carry the most window mass. Stage 1 then chooses again, exactly, over what was
 read. Pages of consecutive positions suit this: the choice keeps runs of neighbours (its max
 pooling), which fill few such pages.
@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from rocketkv_mt.reselect import choose, scores_by_position
+from rocketkv_mt.reselect import choose_over_parts
 from rocketkv_mt.split_attention import Part, window_probs
 from tiers.cold_layer import padded_indices
 
@@ -87,10 +87,8 @@ def page_picks(
         lse[:, start : start + d] = rows
         cold += torch.exp(logits.sub_(rows.unsqueeze(-1))).sum(dim=1)  # (Hkv, N * P)
     probs = torch.cat([window_probs(window, lse.reshape(hq, w)), cold], dim=1)
-    key_pos = torch.cat([device_pos, sketch_pos], dim=1)
-    alive = torch.cat([torch.ones_like(device_pos, dtype=torch.bool), sketch_alive], dim=1)
-    raw = scores_by_position(probs, key_pos, alive, history_len, w)
-    slots = choose(raw, key_pos, alive, history_len, w, prompt_budget, kernel_size)[0]
+    slots = choose_over_parts(probs, device_pos, sketch_pos, sketch_alive, history_len, w, prompt_budget,
+                              kernel_size)[0]
     t = device_pos.shape[1]
     from_cold = slots >= t
     page = torch.where(from_cold, (slots - t) // page_tokens, pages)

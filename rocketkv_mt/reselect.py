@@ -77,6 +77,27 @@ def reselect(
     return choose(raw, key_pos, alive, history_len, w, prompt_budget, kernel_size)
 
 
+def choose_over_parts(
+    probs: torch.Tensor,
+    device_pos: torch.Tensor,
+    cold_pos: torch.Tensor,
+    cold_alive: torch.Tensor,
+    history_len: int,
+    w: int,
+    prompt_budget: int,
+    kernel_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1's choice over the device slots (positions device_pos (Hkv, T), every one held) and the
+    cold slots read beside them (cold_pos, cold_alive (Hkv, M); M may be 0), from each slot's window
+    probability probs (Hkv, T + M): as ``choose`` returns, its slots into [device slots, cold slots]."""
+    key_pos, alive = device_pos, None
+    if cold_pos.shape[1]:
+        key_pos = torch.cat([device_pos, cold_pos], dim=1)
+        alive = torch.cat([torch.ones_like(device_pos, dtype=torch.bool), cold_alive], dim=1)
+    raw = scores_by_position(probs, key_pos, alive, history_len, w)
+    return choose(raw, key_pos, alive, history_len, w, prompt_budget, kernel_size)
+
+
 def choose(
     raw: torch.Tensor,
     key_pos: torch.Tensor,

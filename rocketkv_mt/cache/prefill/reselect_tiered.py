@@ -20,7 +20,7 @@ from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 from rocketkv_mt.cold_select import candidate_pages, page_bounds, page_picks, pages_per_head
-from rocketkv_mt.reselect import choose, reselect, scores_by_position
+from rocketkv_mt.reselect import choose_over_parts, reselect
 from rocketkv_mt.split_attention import attend_part, join_rows, merge, window_probs
 from tiers.base import batch_nbytes
 from tiers.cold_layer import ColdLayer
@@ -122,12 +122,8 @@ class ReselectTiered(PrefillPolicy):
             parts.append(attend_part(q, cand[0], cand[1], scaling, w, visible=cand[3]))
         out, lse = merge(parts, q.dtype)
         probs = torch.cat([window_probs(part, lse) for part in parts], dim=1)
-        key_pos, alive = store.positions, None
-        if len(parts) > 1:
-            key_pos = torch.cat([store.positions, cand[2]], dim=1)
-            alive = torch.cat([torch.ones_like(store.positions, dtype=torch.bool), cand[3]], dim=1)
-        raw = scores_by_position(probs, key_pos, alive, total, w)
-        slots, positions, scores = choose(raw, key_pos, alive, total, w, split.prompt_budget, split.kernel_size)
+        slots, positions, scores = choose_over_parts(probs, store.positions, cand[2], cand[3], total, w,
+                                                     split.prompt_budget, split.kernel_size)
         if len(parts) > 1:
             slots, cand = promoted_only(slots, store.length, cand)
         self._pending[layer] = Pending(slots, positions, scores, cand)
