@@ -91,8 +91,9 @@ class Settings(BaseSettings):
         "holding what it keeps; without one it ranks pages by their key bounds."
     )
     sketch_pool: float = Field(
-        8.0, ge=1, le=1024, description="Tiered `digest` mode with a key sketch: the pages whose sketches a turn "
-        "reads, as a multiple of the pages it fetches (those whose key bounds rank highest)."
+        16.0, ge=1, le=1024, description="Tiered `digest` mode with a key sketch: the pages whose sketches a turn "
+        "reads, as a multiple of the pages it fetches (those whose key bounds rank highest). A pool that holds "
+        "every cold page is decoded for layer l+1 while layer l computes."
     )
     cold_dtype: Literal["model", "int8"] = Field(
         "model", description="How cold pages are stored in host memory and Redis: in the model's dtype "

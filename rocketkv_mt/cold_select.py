@@ -29,6 +29,10 @@ from tiers.cold_layer import padded_indices
 
 # exp() of a bound far above the normaliser is still a ranking, not a probability: cap it before exp.
 _MAX_LOG_RATIO = 60.0
+# Shares below exp(-43) (2e-19) of a row's mass rank nothing; floored there, they and their products
+# with a row's weight stay normal floats. On the CPU an exp that underflows (or is of -inf), and any
+# product of subnormals, leaves the vector path and runs ~20x slower, over the whole pool.
+_EXP_FLOOR = -43.0
 
 
 def page_bounds(q_win: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -77,15 +81,20 @@ def page_picks(
     pages = m // page_tokens
     if pages == 0:
         return torch.zeros(hkv, 0, dtype=torch.float32, device=sketch.device)
-    q = q_win.reshape(hkv, (hq // hkv) * w, d).float()
+    q = q_win.reshape(hkv, (hq // hkv) * w, d).float() * scaling
     lse = window.lse.reshape(hkv, -1).clone()  # becomes each row's normaliser over the device and the pool
-    cold = torch.zeros(hkv, m, dtype=torch.float32, device=sketch.device)
-    dead = ~sketch_alive.unsqueeze(1)
+    cold = torch.zeros(hkv, 1, m, dtype=torch.float32, device=sketch.device)
+    dead = torch.zeros(hkv, 1, m, dtype=torch.float32, device=sketch.device).masked_fill_(~sketch_alive.unsqueeze(1), float("-inf"))
+    keys_t = sketch.transpose(1, 2)
     for start in range(0, q.shape[1], d):  # d rows at a time: the logits never outgrow the estimated keys
-        logits = torch.matmul(q[:, start : start + d], sketch.transpose(1, 2)).mul_(scaling).masked_fill_(dead, float("-inf"))
-        rows = torch.logaddexp(lse[:, start : start + d], torch.logsumexp(logits, dim=-1))
+        logits = torch.baddbmm(dead, q[:, start : start + d], keys_t)  # (Hkv, rows, N * P), dead slots -inf
+        top = logits.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)
+        share = logits.sub_(top).clamp_(min=_EXP_FLOOR).exp_()  # exp(logit - top): one exp serves the normaliser and the mass
+        rows = torch.logaddexp(lse[:, start : start + d], top.squeeze(-1) + share.sum(dim=-1).log())
         lse[:, start : start + d] = rows
-        cold += torch.exp(logits.sub_(rows.unsqueeze(-1))).sum(dim=1)  # (Hkv, N * P)
+        # Each row's mass on a slot is share * exp(top - rows): summed over the rows, one matrix product.
+        cold.baddbmm_(torch.exp((top.squeeze(-1) - rows).clamp_(min=_EXP_FLOOR)).unsqueeze(1), share)
+    cold = cold.squeeze(1)  # (Hkv, N * P)
     probs = torch.cat([window_probs(window, lse.reshape(hq, w)), cold], dim=1)
     slots = choose_over_parts(probs, device_pos, sketch_pos, sketch_alive, history_len, w, prompt_budget,
                               kernel_size)[0]

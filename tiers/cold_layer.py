@@ -123,14 +123,16 @@ class ColdLayer:
     def sketched(self, device: torch.device, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """The given pages' (Hkv, n) estimated keys (Hkv, n * P, d) float32, from their sketches and
         bounds, their positions and alive flags (Hkv, n * P; a -1 page's slots are dead), and the
-        sketch bytes read (``sketch_bits`` > 0)."""
+        bytes read: codes and bounds (``sketch_bits`` > 0)."""
         hkv, n = len(self.ids), pages.shape[1]
         pages = pages.cpu()
         at, pos, alive = self._rows(pages)
         codes = self._codes.buf[at]
-        nbytes = int((pages >= 0).sum()) * codes[0, 0].numel() if n else 0
-        keys = key_sketch.decode(codes.to(device), self._kmin.buf[at].to(device), self._kmax.buf[at].to(device),
-                                 self.sketch_bits)
+        kmin, kmax = self._kmin.buf[at], self._kmax.buf[at]
+        # The codes and the bounds they are steps of: both read for every page scored.
+        per_page = codes[0, 0].numel() + 2 * kmin[0, 0].numel() * kmin.element_size() if n else 0
+        nbytes = int((pages >= 0).sum()) * per_page
+        keys = key_sketch.decode(codes.to(device), kmin.to(device), kmax.to(device), self.sketch_bits)
         return keys.reshape(hkv, n * self.page_tokens, self.head_dim), pos.to(device), alive.to(device), nbytes
 
     def _rows(self, pages: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ class TierPolicy:
     candidates: float = 0.5
     page_grouping: Literal["keys", "position"] = "keys"
     sketch_bits: int = 0
-    sketch_pool: float = 8.0
+    sketch_pool: float = 16.0
     codec: PageCodec = field(default_factory=RawCodec)
 
     @property

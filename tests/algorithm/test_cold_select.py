@@ -205,24 +205,36 @@ def test_page_picks_with_exact_keys_count_the_tokens_exhaustive_stage1_keeps(gro
     """With every cold key known exactly (a perfect sketch), a page's rank is the number of its tokens
     that Stage 1 over the device and every cold token keeps: exhaustive's choice, before any page read;
     pages with none rank by the window mass of their tokens, below every page with one."""
+    check_page_picks(group, seed=40 + group, spread=2.0, dead_head=None)
+
+
+def test_page_picks_hold_with_far_logits_and_a_head_whose_pool_is_empty():
+    # Keys 8x larger put most of a row's shares far below exp(-43) (floored there, not underflowing),
+    # and a head whose pool pages are all padding (every slot dead) must rank none of them.
+    check_page_picks(3, seed=47, spread=8.0, dead_head=1)
+
+
+def check_page_picks(group: int, seed: int, spread: float, dead_head: int | None) -> None:
     from rocketkv_mt.cold_select import page_picks
     from rocketkv_mt.split_attention import attend_part
 
-    gen = torch.Generator().manual_seed(40 + group)
+    gen = torch.Generator().manual_seed(seed)
     hkv, w, d, history, budget, kernel, p, cold_n = 2, 6, 16, 150, 40, 5, 8, 64
     scaling = d ** -0.5
     q = torch.randn(hkv * group, w, d, generator=gen) * 2
-    keys = torch.randn(hkv, history, d, generator=gen) * 2
+    keys = torch.randn(hkv, history, d, generator=gen) * spread
     values = torch.randn(hkv, history, d, generator=gen)
     cold_pos, dev_pos = split_history(hkv, history, w, cold_n, gen)  # device slots end with the window
     gather = lambda t, pos: torch.stack([t[h, pos[h]] for h in range(hkv)])  # noqa: E731
     dev_keys, cold_keys = gather(keys, dev_pos), gather(keys, cold_pos)
     cold_alive = torch.rand(hkv, cold_n, generator=gen) < 0.8  # promoted tokens keep their page slot
+    if dead_head is not None:
+        cold_alive[dead_head] = False
     cold_pos_seen = torch.where(cold_alive, cold_pos, -1)
     window = attend_part(q, dev_keys, gather(values, dev_pos), scaling, w, own_tail=w)
 
     ranks = page_picks(q, window, cold_keys, cold_pos, cold_alive, dev_pos, history, budget, kernel, scaling, p)
-    assert ranks.shape == (hkv, cold_n // p)
+    assert ranks.shape == (hkv, cold_n // p) and torch.isfinite(ranks).all()
 
     # Exhaustive: Stage 1 over the device slots and the alive cold ones, all in one set.
     all_keys = torch.cat([dev_keys, cold_keys], dim=1)
@@ -233,7 +245,7 @@ def test_page_picks_with_exact_keys_count_the_tokens_exhaustive_stage1_keeps(gro
     for h in range(hkv):
         cold_slots = slots[h][slots[h] >= t] - t
         want = torch.bincount(cold_slots // p, minlength=cold_n // p)
-        assert want.sum() > 0  # the case exercises promotions
+        assert want.sum() > 0 or h == dead_head  # the case exercises promotions
         assert torch.equal(ranks[h].floor().long(), want), (h, ranks[h], want)
         frac = ranks[h] - ranks[h].floor()
         assert (frac >= 0).all() and (frac <= 0.5 + 1e-6).all()
@@ -241,8 +253,9 @@ def test_page_picks_with_exact_keys_count_the_tokens_exhaustive_stage1_keeps(gro
         none = want == 0
         if int(none.sum()) > 1:
             qq = q.reshape(hkv, group * w, d)[h]
-            lse = torch.logsumexp(torch.cat([qq @ dev_keys[h].T, qq @ cold_keys[h][cold_alive[h]].T], dim=1) * scaling,
-                                  dim=1, keepdim=True)
+            # Each row's normaliser: its device part's (the window's own tokens causal) and the alive cold keys.
+            lse = torch.logaddexp(window.lse.reshape(hkv, -1)[h],
+                                  torch.logsumexp(qq @ cold_keys[h][cold_alive[h]].T * scaling, dim=1)).unsqueeze(1)
             mass = torch.where(cold_alive[h], torch.exp(qq @ cold_keys[h].T * scaling - lse).sum(0), 0.0)
             mass = mass.view(-1, p).sum(1)
             assert int(torch.argmax(torch.where(none, ranks[h], -1.0))) == int(torch.argmax(torch.where(none, mass, -1.0)))

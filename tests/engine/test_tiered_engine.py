@@ -54,6 +54,25 @@ async def test_every_position_is_in_exactly_one_tier_after_every_turn(make_engin
         engine.delete_session(session.id)
 
 
+async def test_a_sketch_decoded_ahead_on_the_page_reader_gives_the_same_turns(make_engine, monkeypatch):
+    # A pool that holds every cold page lets the page reader decode layer l+1's sketch while layer l
+    # computes; the turns must be those of the same session decoding each layer's sketch inline.
+    engine = make_engine(mode="tiered", token_budget=128, page_tokens=32, page_grouping="position", sketch_bits=4,
+                         sketch_pool=64)
+    started = []
+    start = engine.transfers.start
+    monkeypatch.setattr(engine.transfers, "start", lambda fn: started.append(fn) or start(fn))
+    ahead = engine.create_session()
+    a = await converse(engine, ahead, [FIRST, *LATER[:2]])
+    assert len(started) >= 2 * (engine.runner.spec.num_layers - 1)  # both later turns decoded layers 1.. ahead
+    monkeypatch.setattr(engine, "transfers", None)  # a cache made now reads on the model thread alone
+    inline = engine.create_session()
+    b = await converse(engine, inline, [FIRST, *LATER[:2]])
+    assert inline.token_ids == ahead.token_ids
+    assert [d.memory.digest_bytes_read for d in a] == [d.memory.digest_bytes_read for d in b]
+    assert a[-1].memory.readmitted_tokens > 0
+
+
 async def test_budget_above_history_gives_full_tokens(make_engine):
     engine = make_engine()
     full = engine.create_session(mode="full")

@@ -7,7 +7,7 @@ import torch
 
 from tiers.base import Traffic
 from tiers.codec import Int8Codec, RawCodec
-from tiers.cold_layer import ColdLayer
+from tiers.cold_layer import DIGEST_DTYPE, ColdLayer
 from tiers.host import HostTier
 from tiers.redis_tier import decode_tensors, encode_tensors
 
@@ -209,7 +209,7 @@ def test_digests_bound_the_keys_the_tier_gives_back_with_int8():
 
 
 def test_digests_of_float32_keys_are_bfloat16_bounds_one_step_wide_at_most():
-    from tiers.cold_layer import DIGEST_DTYPE, outward
+    from tiers.cold_layer import outward
 
     x = torch.randn(1000) * 3
     lo, hi = outward(x, up=False), outward(x, up=True)
@@ -233,7 +233,8 @@ def test_a_sketch_estimates_every_cold_key_and_survives_a_restore(bits):
     est, pos, alive, nbytes = layer.sketched(torch.device("cpu"), every)
     kmin, kmax, _, _ = layer.digests(torch.device("cpu"))
     pages = [len(ids) for ids in layer.ids]
-    assert nbytes == sum(pages) * P * D * bits // 8
+    per_page = P * D * bits // 8 + 2 * D * DIGEST_DTYPE.itemsize  # the codes and the bounds they step within
+    assert nbytes == sum(pages) * per_page
     assert est.shape == (HKV, max(pages) * P, D) and est.dtype == torch.float32
     for h in range(HKV):
         truth = by_position(keys, values, positions, h)
@@ -245,7 +246,7 @@ def test_a_sketch_estimates_every_cold_key_and_survives_a_restore(bits):
     # Some pages only: the same rows for those, dead slots for the padding.
     some = torch.tensor([[1, 2], [1, -1], [-1, -1]])
     part, part_pos, part_alive, part_nbytes = layer.sketched(torch.device("cpu"), some)
-    assert part_nbytes == 3 * P * D * bits // 8 and part.shape == (HKV, 2 * P, D)
+    assert part_nbytes == 3 * per_page and part.shape == (HKV, 2 * P, D)
     assert torch.equal(part[0], est[0, P:]) and torch.equal(part[1, :P], est[1, P : 2 * P])
     assert torch.equal(part_pos[0], pos[0, P:]) and torch.equal(part_alive[0], alive[0, P:])
     assert not part_alive[1, P:].any() and not part_alive[2].any() and (part_pos[2] == -1).all()

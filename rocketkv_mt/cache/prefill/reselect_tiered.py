@@ -72,9 +72,13 @@ class ReselectTiered(PrefillPolicy):
             for i in range(spec.num_layers)
         ]
         self._pending: list[Pending | None] = [None] * spec.num_layers
+        # A layer's whole pool of sketched pages and the worker's decode of it, started while the layer
+        # before it computes (``_prefetch_sketch``): its estimated keys do not depend on the queries.
+        self._sketches: list[tuple[torch.Tensor, object] | None] = [None] * spec.num_layers
 
     # --- turns -------------------------------------------------------------------------------
     def begin_turn(self) -> None:
+        self._drop_sketches()
         self.settle()
 
     def chunkable(self) -> bool:
@@ -87,6 +91,7 @@ class ReselectTiered(PrefillPolicy):
             self._settle(layer)
 
     def end_turn(self) -> None:
+        self._drop_sketches()
         self.settle()
 
     def decode_set(self, layer: int) -> LayerKV | None:
@@ -109,6 +114,7 @@ class ReselectTiered(PrefillPolicy):
         # The device part first (primary set and the turn, the turn causal); its window rows rank the
         # cold pages, which are read while the other rows attend; the pages read back are the second
         # part; one exact softmax over both.
+        self._prefetch_sketch(layer + 1)
         window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w)
         read = partial(self._read_candidates, layer, q_win, window, scaling, total)
         transfers = self.tiers.transfers
@@ -196,21 +202,66 @@ class ReselectTiered(PrefillPolicy):
         cold, dev, split = self.cold[layer], cache.spec.device, cache.split
         if policy.reselect == "exhaustive":
             return cold.fetch(cold.live_pages(), dev, cache.traffic)
-        kmin, kmax, live, nbytes = cold.digests(dev)
-        cache.traffic.digest_bytes_read += nbytes
-        bounds = page_bounds(q_win, kmin, kmax, window.lse.reshape(kmin.shape[0], -1), scaling)
         per_head = pages_per_head(policy.candidates, split.prompt_budget, policy.page_tokens)
-        if not cold.sketch_bits:
-            return cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic)
-        # The pages whose bounds rank highest are the pool whose sketches are read; Stage 1 over the
-        # device and the pool's sketched tokens then says which of them to read.
-        pool = candidate_pages(bounds, live, math.ceil(per_head * policy.sketch_pool))
-        sketch, pos, alive, nbytes = cold.sketched(dev, pool)
+        pool, sketch = self._take_sketch(layer) if cold.sketch_bits else (None, None)
+        if pool is None:
+            kmin, kmax, live, nbytes = cold.digests(dev)
+            cache.traffic.digest_bytes_read += nbytes
+            bounds = page_bounds(q_win, kmin, kmax, window.lse.reshape(kmin.shape[0], -1), scaling)
+            if not cold.sketch_bits:
+                return cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic)
+            # The pages whose bounds rank highest are the pool whose sketches are read; Stage 1 over
+            # the device and the pool's sketched tokens then says which of them to read.
+            pool = candidate_pages(bounds, live, self._pool_pages())
+            sketch = cold.sketched(dev, pool)
+        est, pos, alive, nbytes = sketch
+        pool = pool.to(dev)
         cache.traffic.digest_bytes_read += nbytes
-        ranks = page_picks(q_win, window, sketch, pos, alive, cache.layers[layer].positions, total,
+        ranks = page_picks(q_win, window, est, pos, alive, cache.layers[layer].positions, total,
                            split.prompt_budget, split.kernel_size, scaling, policy.page_tokens)
         chosen = candidate_pages(ranks, pool >= 0, per_head)
         return cold.fetch(torch.where(chosen >= 0, torch.gather(pool, 1, chosen.clamp(min=0)), -1), dev, cache.traffic)
+
+    def _pool_pages(self) -> int:
+        """Pages per KV head whose sketches a turn scores: ``sketch_pool`` times those it fetches."""
+        policy = self.tiers.policy
+        per_head = pages_per_head(policy.candidates, self.cache.split.prompt_budget, policy.page_tokens)
+        return math.ceil(per_head * policy.sketch_pool)
+
+    def _whole_pool(self, layer: int) -> torch.Tensor | None:
+        """The layer's live pages (Hkv, n), when the pool holds them all: then no bound ranks them and
+        their sketches can be decoded before the layer's queries exist. None otherwise."""
+        pages = self.cold[layer].live_pages()
+        return pages if pages.shape[1] <= self._pool_pages() else None
+
+    def _prefetch_sketch(self, layer: int) -> None:
+        """Start decoding the next layer's whole pool on the page reader's thread, beside this layer's
+        attention (the two cores of a CPU, or the side stream of a GPU)."""
+        policy, transfers = self.tiers.policy, self.tiers.transfers
+        if (transfers is None or not policy.sketched or policy.reselect == "exhaustive" or layer >= len(self.cold)
+                or not self.cold[layer].has_pages()):
+            return
+        pool = self._whole_pool(layer)
+        if pool is not None:
+            self._sketches[layer] = (pool, transfers.start(partial(self.cold[layer].sketched, self.cache.spec.device,
+                                                                   pool)))
+
+    def _take_sketch(self, layer: int) -> tuple[torch.Tensor | None, tuple | None]:
+        """The layer's pool and its decoded sketch: the prefetched ones, else (whole pool, decoded now)
+        if the pool holds every live page, else (None, None)."""
+        started, self._sketches[layer] = self._sketches[layer], None
+        if started is not None:
+            return started[0], self.tiers.transfers.wait(started[1])
+        pool = self._whole_pool(layer)
+        return (pool, self.cold[layer].sketched(self.cache.spec.device, pool)) if pool is not None else (None, None)
+
+    def _drop_sketches(self) -> None:
+        """Let every decode still in flight finish (a turn that stopped between layers), then forget
+        them: the next turn's pools differ."""
+        for started in self._sketches:
+            if started is not None and started[1].exception() is None:  # a failed decode has nothing to hand over
+                self.tiers.transfers.wait(started[1])
+        self._sketches = [None] * len(self._sketches)
 
     # --- memory ------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -226,9 +277,9 @@ class ReselectTiered(PrefillPolicy):
         if tiers.reselect == "exhaustive":
             return kv + turn.layer_bytes * 2 * (turn.fed + turn.new)
         pages = pages_per_head(tiers.candidates, turn.split.prompt_budget, tiers.page_tokens)
-        # A sketch's scratch: the pool's estimated keys in float32 and the logits of d window rows at a
-        # time over them (``page_picks``), 12 * Hkv * d bytes a pool token: within 4 tokens' keys and
-        # values of one layer in a 16- or 32-bit model.
+        # A sketch's scratch: the pool's estimated keys in float32, the logits of d window rows at a
+        # time over them (``page_picks``) and the next layer's pool being decoded, 16 * Hkv * d bytes a
+        # pool token: within 4 tokens' keys and values of one layer in a 16- or 32-bit model.
         pool = min(turn.fed, math.ceil(pages * tiers.sketch_pool) * tiers.page_tokens)
         sketch = turn.layer_bytes * 4 * pool if tiers.sketched else 0
         return (kv + turn.token_bytes * min(turn.fed, pages * tiers.page_tokens) + sketch
@@ -247,6 +298,7 @@ class ReselectTiered(PrefillPolicy):
         return {"host": host.session_bytes(sid), "redis": redis}
 
     def release(self) -> None:
+        self._drop_sketches()
         self._pending = [None] * len(self._pending)
         for cold in self.cold:
             cold.free()
