@@ -6,15 +6,23 @@ handling; ``ServerSettings`` is both, as the server and its replicas use them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The names of ``rocketkv_mt.cache.CACHE_MODES`` (a test keeps them equal), spelled out so that reading
 # the settings imports no torch.
 CacheMode = Literal["full", "snapkv", "rocketkv", "rocketkv-mt", "tiered"]
 BUNDLED_MODEL = "bundled:smollm2-135m"
+
+
+def _digits_as_int(value):
+    """An environment variable's digits as the number they spell: a Literal of numbers takes no string."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
+SketchBits = Annotated[Literal[0, 2, 4], BeforeValidator(_digits_as_int)]
 
 
 class Settings(BaseSettings):
@@ -85,7 +93,7 @@ class Settings(BaseSettings):
         "keys are nearest (`keys`: tight bounds that rank pages well) or with their neighbours in the text "
         "(`position`: the runs Stage 1 keeps fill few pages; the grouping to use with a key sketch)."
     )
-    sketch_bits: Literal[0, 2, 4] = Field(
+    sketch_bits: SketchBits = Field(
         0, description="Tiered `digest` mode: bits per channel of each cold token's key sketch (0: none). With a "
         "sketch a turn runs Stage 1 over the estimated keys of a pool of pages (`sketch_pool`) and reads the pages "
         "holding what it keeps; without one it ranks pages by their key bounds."

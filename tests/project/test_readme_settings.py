@@ -82,3 +82,24 @@ def test_every_default_in_every_table_is_the_code_default():
                 assert literal.group(1) == shown(default), f"{title}: RKV_{name.upper()} = {part!r}, code: {default!r}"
                 checked += 1
     assert checked >= 40
+
+
+def test_every_default_as_the_tables_write_it_reads_back_from_the_environment(monkeypatch):
+    # A reader sets these variables as the tables spell them (RKV_SKETCH_BITS=4 is a string, where
+    # the field is one of the numbers 0, 2, 4): each must parse to the default it stands for.
+    fields = ServerSettings.model_fields
+    checked = 0
+    for rows in tables().values():
+        for names_, cell in rows:
+            parts = [cell] if len(names_) == 1 else re.split(r" / |, ", cell)
+            for name, part in zip(names_, parts):
+                literal = LITERAL.search(part)
+                if fields[name].default is None or literal is None:
+                    continue
+                monkeypatch.setenv(f"RKV_{name.upper()}", literal.group(1).replace("~", str(Path.home()), 1))
+                assert getattr(ServerSettings(), name) == fields[name].default, name
+                monkeypatch.delenv(f"RKV_{name.upper()}")
+                checked += 1
+    assert checked >= 40
+    monkeypatch.setenv("RKV_SKETCH_BITS", "4")
+    assert Settings().sketch_bits == 4
