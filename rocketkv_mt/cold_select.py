@@ -31,7 +31,7 @@ from tiers.cold_layer import padded_indices
 _MAX_LOG_RATIO = 60.0
 # Shares below exp(-43) (2e-19) of a row's mass rank nothing; floored there, they and their products
 # with a row's weight stay normal floats. On the CPU an exp that underflows (or is of -inf), and any
-# product of subnormals, leaves the vector path: many times slower, over the whole pool.
+# product of subnormals, leaves the vector path and runs ~20x slower, over the whole pool.
 _EXP_FLOOR = -43.0
 
 
@@ -68,11 +68,10 @@ def page_picks(
     q_win: torch.Tensor, window: Part, sketch: torch.Tensor, sketch_pos: torch.Tensor, sketch_alive: torch.Tensor,
     device_pos: torch.Tensor, history_len: int, prompt_budget: int, kernel_size: int, scaling: float,
     page_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Rank of each cold page by Stage 1's choice over the device and the sketched cold tokens:
     (Hkv, N) float32, the number of its tokens that choice keeps plus a fraction < 1 that orders the
-    rest by the window mass their sketched tokens carry; and each window row's log-sum-exp over the
-    device and the sketched tokens (Hq, w), the estimate of its normaliser over the whole history.
+    rest by the window mass their sketched tokens carry.
 
     q_win (Hq, w, d); ``window``: the window rows' part over the T device keys, positions device_pos
     (Hkv, T); sketch (Hkv, N * P, d) the estimated cold keys, page by page, with their positions and
@@ -81,7 +80,7 @@ def page_picks(
     hkv, m = sketch.shape[:2]
     pages = m // page_tokens
     if pages == 0:
-        return torch.zeros(hkv, 0, dtype=torch.float32, device=sketch.device), window.lse
+        return torch.zeros(hkv, 0, dtype=torch.float32, device=sketch.device)
     q = q_win.reshape(hkv, (hq // hkv) * w, d).float() * scaling
     lse = window.lse.reshape(hkv, -1).clone()  # becomes each row's normaliser over the device and the pool
     cold = torch.zeros(hkv, 1, m, dtype=torch.float32, device=sketch.device)
@@ -105,4 +104,4 @@ def page_picks(
     picks = torch.zeros(hkv, pages + 1, dtype=torch.float32, device=slots.device)
     picks.scatter_add_(1, page, from_cold.float())
     mass = cold.view(hkv, pages, page_tokens).sum(dim=-1)
-    return picks[:, :pages] + 0.5 * mass / mass.amax(dim=1, keepdim=True).clamp_min(1e-30), lse.reshape(hq, w)
+    return picks[:, :pages] + 0.5 * mass / mass.amax(dim=1, keepdim=True).clamp_min(1e-30)

@@ -122,16 +122,11 @@ class ReselectTiered(PrefillPolicy):
         device = window
         if n > w:
             device = join_rows(attend_part(q[:, : n - w], store.keys, store.values, scaling, 0, own_tail=n), window)
-        got = transfers.wait(reading) if reading is not None else read()
-        cand, norms = got[:5], got[5]
+        cand = transfers.wait(reading) if reading is not None else read()
         parts = [device]
         if cand[0].shape[1]:
             parts.append(attend_part(q, cand[0], cand[1], scaling, w, visible=cand[3]))
         out, lse = merge(parts, q.dtype)
-        if norms is not None:
-            # A sketch estimated each window row's normaliser over the whole pool, as exhaustive's runs
-            # over every cold token: Stage 1 then weighs the rows as exhaustive does, not by what was read.
-            lse = torch.cat([lse[:, : n - w], torch.maximum(lse[:, n - w :], norms)], dim=1)
         probs = torch.cat([window_probs(part, lse) for part in parts], dim=1)
         slots, positions, scores = choose_over_parts(probs, store.positions, cand[2], cand[3], total, w,
                                                      split.prompt_budget, split.kernel_size)
@@ -198,8 +193,7 @@ class ReselectTiered(PrefillPolicy):
 
     def _read_candidates(self, layer: int, q_win: torch.Tensor, window, scaling: float, total: int):
         """The cold pages this turn scores, read from the tiers: keys, values (Hkv, M, d), positions,
-        alive, flat cold slots (Hkv, M); and with a sketch each window row's estimated normaliser over
-        the history (Hq, w), else None. ``exhaustive``: all pages with cold tokens; ``digest``: the
+        alive, flat cold slots (Hkv, M). ``exhaustive``: all pages with cold tokens; ``digest``: the
         pages whose digests rank highest, a budgeted number per KV head. ``window``: the window rows'
         attention part over the device keys (its normaliser bounds the final one); ``total``: the
         history's length with the turn. Runs on the page reader's thread while the model thread
@@ -207,7 +201,7 @@ class ReselectTiered(PrefillPolicy):
         cache, policy = self.cache, self.tiers.policy
         cold, dev, split = self.cold[layer], cache.spec.device, cache.split
         if policy.reselect == "exhaustive":
-            return *cold.fetch(cold.live_pages(), dev, cache.traffic), None
+            return cold.fetch(cold.live_pages(), dev, cache.traffic)
         per_head = pages_per_head(policy.candidates, split.prompt_budget, policy.page_tokens)
         pool, sketch = self._take_sketch(layer) if cold.sketch_bits else (None, None)
         if pool is None:
@@ -215,7 +209,7 @@ class ReselectTiered(PrefillPolicy):
             cache.traffic.digest_bytes_read += nbytes
             bounds = page_bounds(q_win, kmin, kmax, window.lse.reshape(kmin.shape[0], -1), scaling)
             if not cold.sketch_bits:
-                return *cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic), None
+                return cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic)
             # The pages whose bounds rank highest are the pool whose sketches are read; Stage 1 over
             # the device and the pool's sketched tokens then says which of them to read.
             pool = candidate_pages(bounds, live, self._pool_pages())
@@ -223,11 +217,10 @@ class ReselectTiered(PrefillPolicy):
         est, pos, alive, nbytes = sketch
         pool = pool.to(dev)
         cache.traffic.digest_bytes_read += nbytes
-        ranks, norms = page_picks(q_win, window, est, pos, alive, cache.layers[layer].positions, total,
-                                  split.prompt_budget, split.kernel_size, scaling, policy.page_tokens)
+        ranks = page_picks(q_win, window, est, pos, alive, cache.layers[layer].positions, total,
+                           split.prompt_budget, split.kernel_size, scaling, policy.page_tokens)
         chosen = candidate_pages(ranks, pool >= 0, per_head)
-        pages = torch.where(chosen >= 0, torch.gather(pool, 1, chosen.clamp(min=0)), -1)
-        return *cold.fetch(pages, dev, cache.traffic), norms
+        return cold.fetch(torch.where(chosen >= 0, torch.gather(pool, 1, chosen.clamp(min=0)), -1), dev, cache.traffic)
 
     def _pool_pages(self) -> int:
         """Pages per KV head whose sketches a turn scores: ``sketch_pool`` times those it fetches."""
