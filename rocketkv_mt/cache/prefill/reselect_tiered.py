@@ -278,10 +278,11 @@ class ReselectTiered(PrefillPolicy):
             return kv + turn.layer_bytes * 2 * (turn.fed + turn.new)
         pages = pages_per_head(tiers.candidates, turn.split.prompt_budget, tiers.page_tokens)
         # A sketch's scratch: the pool's estimated keys in float32, the logits of d window rows at a
-        # time over them (``page_picks``) and the next layer's pool being decoded, 16 * Hkv * d bytes a
-        # pool token: within 4 tokens' keys and values of one layer in a 16- or 32-bit model.
+        # time over them (``page_picks``) and the next layer's pool being decoded (its codes widened to
+        # table indices, then its keys): 16 * Hkv * d bytes a pool token and its masks, within 5
+        # tokens' keys and values of one layer in a 16- or 32-bit model.
         pool = min(turn.fed, math.ceil(pages * tiers.sketch_pool) * tiers.page_tokens)
-        sketch = turn.layer_bytes * 4 * pool if tiers.sketched else 0
+        sketch = turn.layer_bytes * 5 * pool if tiers.sketched else 0
         return (kv + turn.token_bytes * min(turn.fed, pages * tiers.page_tokens) + sketch
                 + turn.layer_bytes * 2 * (math.ceil(turn.fed / tiers.page_tokens) + turn.new))
 
