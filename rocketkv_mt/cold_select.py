@@ -31,7 +31,7 @@ from tiers.cold_layer import padded_indices
 _MAX_LOG_RATIO = 60.0
 # Shares below exp(-43) (2e-19) of a row's mass rank nothing; floored there, they and their products
 # with a row's weight stay normal floats. On the CPU an exp that underflows (or is of -inf), and any
-# product of subnormals, leaves the vector path and runs ~20x slower, over the whole pool.
+# product of subnormals, leaves the vector path: many times slower, over the whole pool.
 _EXP_FLOOR = -43.0
 
 

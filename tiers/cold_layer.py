@@ -130,7 +130,8 @@ class ColdLayer:
         codes = self._codes.buf[at]
         kmin, kmax = self._kmin.buf[at], self._kmax.buf[at]
         # The codes and the bounds they are steps of: both read for every page scored.
-        per_page = codes[0, 0].numel() + 2 * kmin[0, 0].numel() * kmin.element_size() if n else 0
+        per_page = (self.page_tokens * key_sketch.nbytes_per_token(self.head_dim, self.sketch_bits)
+                    + 2 * self.head_dim * kmin.element_size())
         nbytes = int((pages >= 0).sum()) * per_page
         keys = key_sketch.decode(codes.to(device), kmin.to(device), kmax.to(device), self.sketch_bits)
         return keys.reshape(hkv, n * self.page_tokens, self.head_dim), pos.to(device), alive.to(device), nbytes

@@ -49,7 +49,7 @@ def decode(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: in
     table = ((byte >> torch.arange(0, 8, bits, device=codes.device)) & ((1 << bits) - 1)).float() + 0.5
     steps = torch.nn.functional.embedding(codes.long(), table).view(*codes.shape[:-1], per_byte * codes.shape[-1])
     lo = kmin.float().unsqueeze(-2)
-    return steps.mul_(((kmax.float() - kmin.float()) / (1 << bits)).unsqueeze(-2)).add_(lo)
+    return steps.mul_((kmax.float().unsqueeze(-2) - lo) / (1 << bits)).add_(lo)
 
 
 def nbytes_per_token(head_dim: int, bits: int) -> int:
