@@ -128,9 +128,10 @@ class Settings(BaseSettings):
     )
     kernels: Literal["auto", "torch", "triton", "native"] = Field(
         "auto",
-        description="'auto' uses Triton kernels for CUDA tensors and, on CPU, the native C kernel for HSA's "
-        "decode step (built on first use with the machine's C compiler; torch where none is found); "
-        "'native' requires that kernel; 'torch' uses the torch references everywhere.",
+        description="'auto' uses Triton kernels for CUDA tensors and, on CPU, the native C kernels for HSA's "
+        "decode step, a sketch pool's window mass and Stage 1's choice over slots in any order (built on "
+        "first use with the machine's C compiler; torch where none is found); 'native' requires them; "
+        "'torch' uses the torch references everywhere.",
     )
 
 

@@ -14,6 +14,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "tiered-digest": ("tiered", {"reselect": "digest"}),
     # pages of similar keys ranked by their bounds alone (the default), whatever RKV_SKETCH_BITS says
     "tiered-bounds": ("tiered", {"reselect": "digest", "sketch_bits": 0, "page_grouping": "keys"}),
+    # a 4-bit key sketch of every cold token, pages by position (``RKV_SKETCH_BITS=4 RKV_PAGE_GROUPING=position``)
+    "tiered-sketch": ("tiered", {"reselect": "digest", "sketch_bits": 4, "page_grouping": "position"}),
     "tiered-int8": ("tiered", {"reselect": "digest", "cold_dtype": "int8"}),
 }
 TRAFFIC_FIELDS = ("cold_bytes_read", "redis_bytes_read", "digest_bytes_read", "bytes_demoted", "redis_bytes_written")

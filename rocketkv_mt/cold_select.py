@@ -23,16 +23,12 @@ import math
 
 import torch
 
-from rocketkv_mt.reselect import choose_over_parts
+from rocketkv_mt import dispatch
 from rocketkv_mt.split_attention import Part, window_probs
 from tiers.cold_layer import padded_indices
 
 # exp() of a bound far above the normaliser is still a ranking, not a probability: cap it before exp.
 _MAX_LOG_RATIO = 60.0
-# Shares below exp(-43) (2e-19) of a row's mass rank nothing; floored there, they and their products
-# with a row's weight stay normal floats. On the CPU an exp that underflows (or is of -inf), and any
-# product of subnormals, leaves the vector path: many times slower, over the whole pool.
-_EXP_FLOOR = -43.0
 
 
 def page_bounds(q_win: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -64,40 +60,66 @@ def candidate_pages(scores: torch.Tensor, live: torch.Tensor, per_head: int) -> 
     return padded_indices(torch.zeros_like(live).scatter_(1, top, live.gather(1, top)))
 
 
+def sketch_dtype(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """What a pool's estimated keys are decoded to and scored in: the model's dtype on a GPU; on a CPU
+    bfloat16 where it multiplies bfloat16 in hardware (AMX, AVX512-BF16: about three times float32's
+    rate), else float32. Keys known to four bits a channel lose nothing to bfloat16's eight."""
+    if device.type != "cpu":
+        return model_dtype
+    fast = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() or getattr(
+        torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return torch.bfloat16 if fast else torch.float32
+
+
+# Window rows are scored in chunks of a multiple of this many rows, the last one padded: with the pool
+# padded too, the products take a few shapes only (each new one costs a kernel build, as with pools).
+ROW_STEP = 16
+
+
+def row_chunks(rows: int, d: int) -> tuple[int, int]:
+    """(rows per chunk, rows padded): chunks of a multiple of ``ROW_STEP`` rows, at most 2d when that
+    allows (the logits then never outgrow twice the estimated keys; fewer, larger products run
+    faster), as even as the multiple permits."""
+    blocks = math.ceil(rows / ROW_STEP)
+    per = math.ceil(blocks / math.ceil(blocks * ROW_STEP / max(2 * d, ROW_STEP))) * ROW_STEP
+    return per, math.ceil(rows / per) * per
+
+
 def page_picks(
     q_win: torch.Tensor, window: Part, sketch: torch.Tensor, sketch_pos: torch.Tensor, sketch_alive: torch.Tensor,
     device_pos: torch.Tensor, history_len: int, prompt_budget: int, kernel_size: int, scaling: float,
-    page_tokens: int,
+    page_tokens: int, *, backend: str = "auto",
 ) -> torch.Tensor:
     """Rank of each cold page by Stage 1's choice over the device and the sketched cold tokens:
     (Hkv, N) float32, the number of its tokens that choice keeps plus a fraction < 1 that orders the
     rest by the window mass their sketched tokens carry.
 
     q_win (Hq, w, d); ``window``: the window rows' part over the T device keys, positions device_pos
-    (Hkv, T); sketch (Hkv, N * P, d) the estimated cold keys, page by page, with their positions and
-    alive flags (Hkv, N * P). The cold tokens are history, so every window query sees them."""
+    (Hkv, T); sketch (Hkv, N * P, d) the estimated cold keys, page by page (float32, or the cheaper
+    ``sketch_dtype``), with their positions and alive flags (Hkv, N * P). The cold tokens are history,
+    so every window query sees them. In bfloat16 a logit is off by 2**-9 of its size: the logits
+    that carry mass sit near the device's normaliser, and a sketch's own error is larger."""
     hq, w, d = q_win.shape
     hkv, m = sketch.shape[:2]
     pages = m // page_tokens
     if pages == 0:
         return torch.zeros(hkv, 0, dtype=torch.float32, device=sketch.device)
-    q = q_win.reshape(hkv, (hq // hkv) * w, d).float() * scaling
-    lse = window.lse.reshape(hkv, -1).clone()  # becomes each row's normaliser over the device and the pool
-    cold = torch.zeros(hkv, 1, m, dtype=torch.float32, device=sketch.device)
-    dead = torch.zeros(hkv, 1, m, dtype=torch.float32, device=sketch.device).masked_fill_(~sketch_alive.unsqueeze(1), float("-inf"))
+    rows = (hq // hkv) * w
+    step, padded = row_chunks(rows, d)
+    q = torch.zeros(hkv, padded, d, dtype=sketch.dtype, device=sketch.device)
+    q[:, :rows] = q_win.reshape(hkv, rows, d).float() * scaling
+    lse_dev = window.lse.reshape(hkv, -1)
+    lse = torch.empty_like(lse_dev)  # each row's normaliser over the device and the pool
+    cold = torch.zeros(hkv, m, dtype=torch.float32, device=sketch.device)
     keys_t = sketch.transpose(1, 2)
-    for start in range(0, q.shape[1], d):  # d rows at a time: the logits never outgrow the estimated keys
-        logits = torch.baddbmm(dead, q[:, start : start + d], keys_t)  # (Hkv, rows, N * P), dead slots -inf
-        top = logits.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)
-        share = logits.sub_(top).clamp_(min=_EXP_FLOOR).exp_()  # exp(logit - top): one exp serves the normaliser and the mass
-        rows = torch.logaddexp(lse[:, start : start + d], top.squeeze(-1) + share.sum(dim=-1).log())
-        lse[:, start : start + d] = rows
-        # Each row's mass on a slot is share * exp(top - rows): summed over the rows, one matrix product.
-        cold.baddbmm_(torch.exp((top.squeeze(-1) - rows).clamp_(min=_EXP_FLOOR)).unsqueeze(1), share)
-    cold = cold.squeeze(1)  # (Hkv, N * P)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        logits = torch.bmm(q[:, start : start + step], keys_t)  # (Hkv, step, N * P): rows past ``rows`` pad
+        lse[:, start:stop] = dispatch.pool_mass(logits[:, : stop - start], sketch_alive, lse_dev[:, start:stop], cold,
+                                                backend=backend)
     probs = torch.cat([window_probs(window, lse.reshape(hq, w)), cold], dim=1)
-    slots = choose_over_parts(probs, device_pos, sketch_pos, sketch_alive, history_len, w, prompt_budget,
-                              kernel_size)[0]
+    slots = dispatch.choose_over_parts(probs, device_pos, sketch_pos, sketch_alive, history_len, w, prompt_budget,
+                                       kernel_size, backend=backend)[0]
     t = device_pos.shape[1]
     from_cold = slots >= t
     page = torch.where(from_cold, (slots - t) // page_tokens, pages)

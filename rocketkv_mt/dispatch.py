@@ -1,10 +1,10 @@
 """Pick the Triton kernel, the native CPU kernel or the torch reference for each hot path, per call.
 
 Every function takes ``backend``: "auto" (Triton for CUDA tensors when triton is installed; for HSA's
-decode step on float32 CPU tensors, the native C kernel when it builds here; torch otherwise),
-"triton" (always the kernel; on CPU tensors only when TRITON_INTERPRET=1 was set before the kernels
-were first imported), "native" (HSA decode on the C kernel, torch for the other paths) or "torch"
-(always the reference). The choice is an argument, not module state, so two engines with different
+decode step, a sketch pool's mass and Stage 1's choice over slots on CPU tensors, the native C
+kernels when they build here; torch otherwise), "triton" (always the kernel; on CPU tensors only when
+TRITON_INTERPRET=1 was set before the kernels were first imported), "native" (those three on the C
+kernels, torch for the other paths) or "torch" (always the reference). The choice is an argument, not module state, so two engines with different
 settings can share a process (the app passes its ``kernels`` setting).
 """
 from __future__ import annotations
@@ -15,8 +15,11 @@ import importlib.util
 import numpy as np
 import torch
 
-from . import hsa, stage1
+from . import hsa, pool_mass as torch_pool_mass, stage1
+from . import reselect as _reselect
 from .native import hsa as native_hsa
+from .native import pool_mass as native_pool_mass
+from .native import stage1_choose as native_choose
 
 BACKENDS = ("auto", "torch", "triton", "native")
 
@@ -171,6 +174,48 @@ def hsa_decode(
         if backend == "native":
             raise RuntimeError("the native HSA kernel needs float32 CPU tensors and a C compiler on this machine")
     return hsa.hsa_decode(*args)
+
+
+def pool_mass(logits: torch.Tensor, alive: torch.Tensor, lse_dev: torch.Tensor, mass: torch.Tensor, *,
+              backend: str = "auto") -> torch.Tensor:
+    """The window rows' normalisers over the device and a pool of sketched tokens, adding each slot's
+    window mass to ``mass``: ``rocketkv_mt.pool_mass.pool_mass``, on the native C kernel (CPU, float32
+    or bfloat16 logits) where it is allowed and builds here."""
+    if backend in ("auto", "native"):
+        if native_pool_mass.supports(logits):
+            return native_pool_mass.pool_mass(logits, alive, lse_dev, mass)
+        if backend == "native":
+            raise RuntimeError("the native pool mass needs float32 or bfloat16 CPU logits and a C compiler here")
+    return torch_pool_mass.pool_mass(logits, alive, lse_dev, mass)
+
+
+def choose_over_parts(
+    probs: torch.Tensor, device_pos: torch.Tensor, cold_pos: torch.Tensor, cold_alive: torch.Tensor,
+    history_len: int, w: int, prompt_budget: int, kernel_size: int, *, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1's choice over the device slots and cold slots beside them: ``reselect.choose_over_parts``,
+    on the native C kernel (float32 CPU scores) where it is allowed and builds here."""
+    if backend in ("auto", "native") and native_choose.supports(probs):
+        key_pos, alive = _reselect.joined_slots(device_pos, cold_pos, cold_alive)
+        return native_choose.choose(probs, key_pos, alive, history_len, w, prompt_budget, kernel_size)
+    if backend == "native":
+        raise RuntimeError("the native Stage-1 choice needs float32 CPU scores (no NaN) and a C compiler here")
+    return _reselect.choose_over_parts(probs, device_pos, cold_pos, cold_alive, history_len, w, prompt_budget,
+                                       kernel_size)
+
+
+def reselect(
+    q_win: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, alive: torch.Tensor | None, history_len: int,
+    prompt_budget: int, kernel_size: int, scaling: float, *, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1's choice over a whole history held in any order: ``reselect.reselect``, its choice on
+    the native C kernel where it is allowed and builds here."""
+    probs = _reselect.window_slot_probs(q_win, keys, key_pos, alive, history_len, scaling)
+    w = q_win.shape[1]
+    if backend in ("auto", "native") and native_choose.supports(probs):
+        return native_choose.choose(probs, key_pos, alive, history_len, w, prompt_budget, kernel_size)
+    raw = _reselect.scores_by_position(probs, key_pos, alive, history_len, w)
+    return _reselect.choose(raw, key_pos, alive, history_len, w, prompt_budget, kernel_size)
 
 
 def decode_batch_kind(backend: str, q: torch.Tensor) -> str | None:

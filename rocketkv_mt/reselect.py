@@ -24,6 +24,14 @@ def scattered_window_scores(
     positions key_pos (Hkv, T); slots where ``alive`` is False hold no token and are ignored.
     The same quantity as ``stage1.window_scores`` on the keys put back in position order.
     """
+    probs = window_slot_probs(q_win, keys, key_pos, alive, history_len, scaling)
+    return scores_by_position(probs, key_pos, alive, history_len, q_win.shape[1])
+
+
+def window_slot_probs(q_win: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, alive: torch.Tensor | None,
+                      history_len: int, scaling: float) -> torch.Tensor:
+    """Each slot's window attention mass, summed over the window and the group's query heads:
+    (Hkv, T) float32 (0 at dead slots). Shapes as ``scattered_window_scores``."""
     hq, w, d = q_win.shape
     hkv, t, _ = keys.shape
     g = hq // hkv
@@ -32,8 +40,7 @@ def scattered_window_scores(
     hidden = key_pos.unsqueeze(1) > q_pos.view(1, -1, 1)  # (Hkv, g*w, T)
     if alive is not None:
         hidden |= ~alive.unsqueeze(1)
-    probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1).sum(dim=1)  # (Hkv, T)
-    return scores_by_position(probs, key_pos, alive, history_len, w)
+    return torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1).sum(dim=1)
 
 
 def scores_by_position(
@@ -77,6 +84,16 @@ def reselect(
     return choose(raw, key_pos, alive, history_len, w, prompt_budget, kernel_size)
 
 
+def joined_slots(device_pos: torch.Tensor, cold_pos: torch.Tensor, cold_alive: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The positions (Hkv, T + M) and alive flags of the device slots (every one held) then the cold
+    ones; alive is None when there are no cold slots."""
+    if not cold_pos.shape[1]:
+        return device_pos, None
+    alive = torch.cat([torch.ones_like(device_pos, dtype=torch.bool), cold_alive], dim=1)
+    return torch.cat([device_pos, cold_pos], dim=1), alive
+
+
 def choose_over_parts(
     probs: torch.Tensor,
     device_pos: torch.Tensor,
@@ -90,10 +107,7 @@ def choose_over_parts(
     """Stage 1's choice over the device slots (positions device_pos (Hkv, T), every one held) and the
     cold slots read beside them (cold_pos, cold_alive (Hkv, M); M may be 0), from each slot's window
     probability probs (Hkv, T + M): as ``choose`` returns, its slots into [device slots, cold slots]."""
-    key_pos, alive = device_pos, None
-    if cold_pos.shape[1]:
-        key_pos = torch.cat([device_pos, cold_pos], dim=1)
-        alive = torch.cat([torch.ones_like(device_pos, dtype=torch.bool), cold_alive], dim=1)
+    key_pos, alive = joined_slots(device_pos, cold_pos, cold_alive)
     raw = scores_by_position(probs, key_pos, alive, history_len, w)
     return choose(raw, key_pos, alive, history_len, w, prompt_budget, kernel_size)
 

@@ -66,7 +66,7 @@ def attend_part(
         logits = _logits(q, kf, scaling, start, stop, own_tail, visible, first_row)
         hkv, g = logits.shape[:2]
         top = _row_top(logits)
-        probs = torch.exp(logits - top)
+        probs = logits.sub_(top).exp_()  # in place: the logits are not needed again
         total = probs.sum(dim=-1, keepdim=True)
         o = torch.matmul(probs.view(hkv, g * r, t), vf).view(hkv, g, r, d) / total.clamp_min(1e-30)
         out[:, start:stop] = o.reshape(hq, r, d)

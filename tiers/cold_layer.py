@@ -120,8 +120,9 @@ class ColdLayer:
         live = self._alive.buf[:, :n].any(dim=-1)
         return self._kmin.buf[:, :n].to(device), self._kmax.buf[:, :n].to(device), live.to(device), nbytes
 
-    def sketched(self, device: torch.device, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """The given pages' (Hkv, n) estimated keys (Hkv, n * P, d) float32, from their sketches and
+    def sketched(self, device: torch.device, pages: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The given pages' (Hkv, n) estimated keys (Hkv, n * P, d) in ``dtype``, from their sketches and
         bounds, their positions and alive flags (Hkv, n * P; a -1 page's slots are dead), and the
         bytes read: codes and bounds (``sketch_bits`` > 0)."""
         hkv, n = len(self.ids), pages.shape[1]
@@ -133,7 +134,7 @@ class ColdLayer:
         per_page = (self.page_tokens * key_sketch.nbytes_per_token(self.head_dim, self.sketch_bits)
                     + 2 * self.head_dim * kmin.element_size())
         nbytes = int((pages >= 0).sum()) * per_page
-        keys = key_sketch.decode(codes.to(device), kmin.to(device), kmax.to(device), self.sketch_bits)
+        keys = key_sketch.decode(codes.to(device), kmin.to(device), kmax.to(device), self.sketch_bits, dtype)
         return keys.reshape(hkv, n * self.page_tokens, self.head_dim), pos.to(device), alive.to(device), nbytes
 
     def _rows(self, pages: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:

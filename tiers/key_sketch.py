@@ -39,8 +39,10 @@ def encode(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int
     return (codes.view(m, p, d // per_byte, per_byte) << shifts).sum(dim=-1, dtype=torch.uint8)
 
 
-def decode(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
-    """Estimated keys (..., P, d) float32 from packed codes (..., P, c) and their pages' bounds (..., d)."""
+def decode(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Estimated keys (..., P, d) in ``dtype`` (computed in float32) from packed codes (..., P, c) and
+    their pages' bounds (..., d)."""
     d = kmin.shape[-1]
     per_byte = codes_per_byte(bits, d)
     # Every byte value's codes, unpacked and centred in their steps: one table lookup per byte instead
@@ -49,7 +51,7 @@ def decode(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: in
     table = ((byte >> torch.arange(0, 8, bits, device=codes.device)) & ((1 << bits) - 1)).float() + 0.5
     steps = torch.nn.functional.embedding(codes.long(), table).view(*codes.shape[:-1], per_byte * codes.shape[-1])
     lo = kmin.float().unsqueeze(-2)
-    return steps.mul_((kmax.float().unsqueeze(-2) - lo) / (1 << bits)).add_(lo)
+    return steps.mul_((kmax.float().unsqueeze(-2) - lo) / (1 << bits)).add_(lo).to(dtype)
 
 
 def nbytes_per_token(head_dim: int, bits: int) -> int:

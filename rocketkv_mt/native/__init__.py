@@ -2,10 +2,13 @@
 
 On a CPU, HSA's decode step is about forty tiny torch ops whose dispatch costs several times their
 arithmetic; ``hsa_decode.c`` does the same computation in one call, and one layer's decode step of
-every decoding session (appends, KT, HSA or dense attention) in another. The shared library is built for
-this machine (``-march=native``) into the cache directory, under a name that hashes the source, the
-flags and the CPU, so a copy built on another machine is never loaded. Where no compiler is found
-the loader returns None and callers keep the torch path (``rocketkv_mt.hsa.hsa_decode``).
+every decoding session (appends, KT, HSA or dense attention) in another. ``pool_mass.c`` sums the
+window mass of a tiered turn's sketched cold tokens in one pass per row of their logits, and
+``stage1_choose.c`` makes Stage 1's choice over slots in any order (twice a layer in a tiered turn).
+The shared library is built for this machine (``-march=native``) into the cache directory, under a
+name that hashes the sources, the flags and the CPU, so a copy built on another machine is never
+loaded. Where no compiler is found the loader returns None and callers keep the torch paths
+(``rocketkv_mt.dispatch``).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("hsa_decode.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("hsa_decode.c", "pool_mass.c", "stage1_choose.c"))
 # Fast math at compile time only (it vectorises expf): linking with it would switch the whole process
 # to flush-to-zero on some toolchains. The kernel never relies on inf or NaN.
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-ffast-math")
@@ -46,9 +49,11 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built in a private directory and renamed into place: replicas starting together never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "hsa.o", Path(tmp) / target.name
-        subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True)
-        subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), "-lm"], check=True, capture_output=True)
+        objs = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        for source, obj in zip(SOURCES, objs):
+            subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)], check=True, capture_output=True)
+        lib = Path(tmp) / target.name
+        subprocess.run([compiler, "-shared", *map(str, objs), "-o", str(lib), "-lm"], check=True, capture_output=True)
         os.replace(lib, target)
 
 
@@ -57,9 +62,10 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built if needed; None when it cannot be built here (logged once)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
-        log.warning("no C compiler found: HSA decode uses the torch path on CPU")
+        log.warning("no C compiler found: HSA decode, pool mass and Stage 1's choice use the torch paths on CPU")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + repr(COMPILE_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    text = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(text + repr(COMPILE_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = _cache_dir() / f"rkv_hsa_{key}.so"
     try:
         if not target.exists():
@@ -67,7 +73,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
-        log.warning("native HSA kernel unavailable (%s %s): using the torch path", exc, detail.decode(errors="replace")[:500])
+        log.warning("native kernels unavailable (%s %s): using the torch paths", exc, detail.decode(errors="replace")[:500])
         return None
     fn = lib.rkv_hsa_decode
     fn.restype = ctypes.c_int
@@ -75,6 +81,13 @@ def library() -> ctypes.CDLL | None:
     fn = lib.rkv_decode_batch
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float]
+    fn = lib.rkv_pool_mass
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [
+        ctypes.c_float] * 2
+    fn = lib.rkv_choose
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
     return lib
 
 

@@ -200,21 +200,48 @@ def test_a_pending_selection_keeps_exactly_the_tokens_it_promotes():
         assert (kept[4][h][~kept[3][h]] == -1).all()
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("group", [1, 3])
-def test_page_picks_with_exact_keys_count_the_tokens_exhaustive_stage1_keeps(group):
+def test_page_picks_with_exact_keys_count_the_tokens_exhaustive_stage1_keeps(group, backend):
     """With every cold key known exactly (a perfect sketch), a page's rank is the number of its tokens
     that Stage 1 over the device and every cold token keeps: exhaustive's choice, before any page read;
     pages with none rank by the window mass of their tokens, below every page with one."""
-    check_page_picks(group, seed=40 + group, spread=2.0, dead_head=None)
+    check_page_picks(group, seed=40 + group, spread=2.0, dead_head=None, backend=backend)
 
 
-def test_page_picks_hold_with_far_logits_and_a_head_whose_pool_is_empty():
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_page_picks_hold_with_far_logits_and_a_head_whose_pool_is_empty(backend):
     # Keys 8x larger put most of a row's shares far below exp(-43) (floored there, not underflowing),
     # and a head whose pool pages are all padding (every slot dead) must rank none of them.
-    check_page_picks(3, seed=47, spread=8.0, dead_head=1)
+    check_page_picks(3, seed=47, spread=8.0, dead_head=1, backend=backend)
 
 
-def check_page_picks(group: int, seed: int, spread: float, dead_head: int | None) -> None:
+def test_page_picks_in_bfloat16_fetch_the_pages_float32_does():
+    """A sketch scored in bfloat16 (``sketch_dtype`` on a CPU that multiplies it in hardware) ranks
+    the pages as float32 does: the same best pages, Stage 1 keeping nearly the same tokens of each."""
+    from rocketkv_mt.cold_select import page_picks
+    from rocketkv_mt.split_attention import attend_part
+
+    gen = torch.Generator().manual_seed(11)
+    hkv, group, w, d, history, budget, kernel, p, cold_n = 2, 4, 16, 64, 1200, 200, 7, 16, 960
+    q = torch.randn(hkv * group, w, d, generator=gen)
+    keys = torch.randn(hkv, history, d, generator=gen) * 1.5
+    cold_pos, dev_pos = split_history(hkv, history, w, cold_n, gen)
+    gather = lambda t, pos: torch.stack([t[h, pos[h]] for h in range(hkv)])  # noqa: E731
+    alive = torch.rand(hkv, cold_n, generator=gen) < 0.9
+    window = attend_part(q, gather(keys, dev_pos), torch.randn(hkv, dev_pos.shape[1], d, generator=gen), d ** -0.5,
+                         w, own_tail=w)
+    args = (cold_pos, alive, dev_pos, history, budget, kernel, d ** -0.5, p)
+    exact = page_picks(q, window, gather(keys, cold_pos), *args)
+    half = page_picks(q, window, gather(keys, cold_pos).bfloat16(), *args)
+    assert exact.floor().sum() > budget // 2  # most of the choice is cold: the ranking matters
+    best = lambda r: {int(i) for i in r.topk(8).indices}  # noqa: E731
+    for h in range(hkv):
+        assert len(best(exact[h]) & best(half[h])) >= 7
+    assert (exact.floor() - half.floor()).abs().sum() <= 0.05 * exact.floor().sum()
+
+
+def check_page_picks(group: int, seed: int, spread: float, dead_head: int | None, backend: str) -> None:
     from rocketkv_mt.cold_select import page_picks
     from rocketkv_mt.split_attention import attend_part
 
@@ -233,7 +260,8 @@ def check_page_picks(group: int, seed: int, spread: float, dead_head: int | None
     cold_pos_seen = torch.where(cold_alive, cold_pos, -1)
     window = attend_part(q, dev_keys, gather(values, dev_pos), scaling, w, own_tail=w)
 
-    ranks = page_picks(q, window, cold_keys, cold_pos, cold_alive, dev_pos, history, budget, kernel, scaling, p)
+    ranks = page_picks(q, window, cold_keys, cold_pos, cold_alive, dev_pos, history, budget, kernel, scaling, p,
+                       backend=backend)
     assert ranks.shape == (hkv, cold_n // p) and torch.isfinite(ranks).all()
 
     # Exhaustive: Stage 1 over the device slots and the alive cold ones, all in one set.

@@ -33,6 +33,9 @@ def test_decoding_takes_any_leading_shape():
     codes = key_sketch.encode(keys.view(6, 4, 8), kmin.view(6, 8), kmax.view(6, 8), 2).view(2, 3, 4, 2)
     flat = key_sketch.decode(codes.view(6, 4, 2), kmin.view(6, 8), kmax.view(6, 8), 2)
     assert torch.equal(key_sketch.decode(codes, kmin, kmax, 2), flat.view(2, 3, 4, 8))
+    # Decoded to a narrower dtype: the float32 estimate, rounded once (not computed in bfloat16).
+    half = key_sketch.decode(codes, kmin, kmax, 2, torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, flat.view(2, 3, 4, 8).bfloat16())
 
 
 @pytest.mark.parametrize("bits, d", [(3, 16), (1, 16), (4, 7), (2, 6)])

@@ -9,7 +9,7 @@ from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
-from rocketkv_mt.reselect import reselect
+from rocketkv_mt.dispatch import reselect
 
 
 class ReselectDevice(PrefillPolicy):
@@ -32,7 +32,8 @@ class ReselectDevice(PrefillPolicy):
             turn.replace(full.keys, full.values, full.positions)
         else:
             slots, positions, scores = reselect(
-                q_win, full.keys, full.positions, None, full.length, split.prompt_budget, split.kernel_size, scaling
+                q_win, full.keys, full.positions, None, full.length, split.prompt_budget, split.kernel_size, scaling,
+                backend=cache.spec.kernels,
             )
             idx = slots.unsqueeze(-1).expand(-1, -1, full.keys.shape[-1])
             turn.replace(torch.gather(full.keys, 1, idx), torch.gather(full.values, 1, idx), positions)

@@ -19,8 +19,8 @@ from rocketkv_mt.attention_ops import dense_attention, positional_attention
 from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
-from rocketkv_mt.cold_select import candidate_pages, page_bounds, page_picks, pages_per_head
-from rocketkv_mt.reselect import choose_over_parts, reselect
+from rocketkv_mt.cold_select import candidate_pages, page_bounds, page_picks, pages_per_head, sketch_dtype
+from rocketkv_mt.dispatch import choose_over_parts, reselect
 from rocketkv_mt.split_attention import attend_part, join_rows, merge, window_probs
 from tiers.base import batch_nbytes
 from tiers.cold_layer import ColdLayer
@@ -59,6 +59,18 @@ def promoted_only(slots: torch.Tensor, device_slots: int, cand: tuple) -> tuple[
     return torch.where(from_cold, device_slots + rank, slots), kept
 
 
+# A pool's pages per head are padded (with -1: dead slots) to a multiple of this: on a CPU the oneDNN
+# product of a bfloat16 sketch builds a kernel for every new shape (about a millisecond each here), and
+# padded pools repeat a few shapes across layers and turns.
+POOL_PAGES_STEP = 16
+
+
+def padded_pool(pages: torch.Tensor) -> torch.Tensor:
+    """Pages (Hkv, n), -1 padded, widened with -1 to a multiple of ``POOL_PAGES_STEP`` columns."""
+    pad = -pages.shape[1] % POOL_PAGES_STEP
+    return torch.nn.functional.pad(pages, (0, pad), value=-1) if pad else pages
+
+
 class ReselectTiered(PrefillPolicy):
     def __init__(self, cache: CacheState, tiers: TierContext | None) -> None:
         if tiers is None:
@@ -75,6 +87,7 @@ class ReselectTiered(PrefillPolicy):
         # A layer's whole pool of sketched pages and the worker's decode of it, started while the layer
         # before it computes (``_prefetch_sketch``): its estimated keys do not depend on the queries.
         self._sketches: list[tuple[torch.Tensor, object] | None] = [None] * spec.num_layers
+        self._sketch_dtype = sketch_dtype(spec.device, spec.dtype)
 
     # --- turns -------------------------------------------------------------------------------
     def begin_turn(self) -> None:
@@ -129,7 +142,7 @@ class ReselectTiered(PrefillPolicy):
         out, lse = merge(parts, q.dtype)
         probs = torch.cat([window_probs(part, lse) for part in parts], dim=1)
         slots, positions, scores = choose_over_parts(probs, store.positions, cand[2], cand[3], total, w,
-                                                     split.prompt_budget, split.kernel_size)
+                                                     split.prompt_budget, split.kernel_size, backend=cache.spec.kernels)
         if len(parts) > 1:
             slots, cand = promoted_only(slots, store.length, cand)
         self._pending[layer] = Pending(slots, positions, scores, cand)
@@ -149,7 +162,8 @@ class ReselectTiered(PrefillPolicy):
             cache.selected(layer, store, None)
             return
         slots, positions, scores = reselect(
-            q_win, store.keys, store.positions, None, store.length, split.prompt_budget, split.kernel_size, scaling
+            q_win, store.keys, store.positions, None, store.length, split.prompt_budget, split.kernel_size, scaling,
+            backend=cache.spec.kernels,
         )
         self._reorganise(layer, slots, positions, scores, None)
 
@@ -212,13 +226,14 @@ class ReselectTiered(PrefillPolicy):
                 return cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic)
             # The pages whose bounds rank highest are the pool whose sketches are read; Stage 1 over
             # the device and the pool's sketched tokens then says which of them to read.
-            pool = candidate_pages(bounds, live, self._pool_pages())
-            sketch = cold.sketched(dev, pool)
+            pool = padded_pool(candidate_pages(bounds, live, self._pool_pages()))
+            sketch = cold.sketched(dev, pool, self._sketch_dtype)
         est, pos, alive, nbytes = sketch
         pool = pool.to(dev)
         cache.traffic.digest_bytes_read += nbytes
         ranks = page_picks(q_win, window, est, pos, alive, cache.layers[layer].positions, total,
-                           split.prompt_budget, split.kernel_size, scaling, policy.page_tokens)
+                           split.prompt_budget, split.kernel_size, scaling, policy.page_tokens,
+                           backend=cache.spec.kernels)
         chosen = candidate_pages(ranks, pool >= 0, per_head)
         return cold.fetch(torch.where(chosen >= 0, torch.gather(pool, 1, chosen.clamp(min=0)), -1), dev, cache.traffic)
 
@@ -232,7 +247,7 @@ class ReselectTiered(PrefillPolicy):
         """The layer's live pages (Hkv, n), when the pool holds them all: then no bound ranks them and
         their sketches can be decoded before the layer's queries exist. None otherwise."""
         pages = self.cold[layer].live_pages()
-        return pages if pages.shape[1] <= self._pool_pages() else None
+        return padded_pool(pages) if pages.shape[1] <= self._pool_pages() else None
 
     def _prefetch_sketch(self, layer: int) -> None:
         """Start decoding the next layer's whole pool on the page reader's thread, beside this layer's
@@ -244,7 +259,7 @@ class ReselectTiered(PrefillPolicy):
         pool = self._whole_pool(layer)
         if pool is not None:
             self._sketches[layer] = (pool, transfers.start(partial(self.cold[layer].sketched, self.cache.spec.device,
-                                                                   pool)))
+                                                                   pool, self._sketch_dtype)))
 
     def _take_sketch(self, layer: int) -> tuple[torch.Tensor | None, tuple | None]:
         """The layer's pool and its decoded sketch: the prefetched ones, else (whole pool, decoded now)
@@ -253,7 +268,9 @@ class ReselectTiered(PrefillPolicy):
         if started is not None:
             return started[0], self.tiers.transfers.wait(started[1])
         pool = self._whole_pool(layer)
-        return (pool, self.cold[layer].sketched(self.cache.spec.device, pool)) if pool is not None else (None, None)
+        if pool is None:
+            return None, None
+        return pool, self.cold[layer].sketched(self.cache.spec.device, pool, self._sketch_dtype)
 
     def _drop_sketches(self) -> None:
         """Let every decode still in flight finish (a turn that stopped between layers), then forget
@@ -277,12 +294,14 @@ class ReselectTiered(PrefillPolicy):
         if tiers.reselect == "exhaustive":
             return kv + turn.layer_bytes * 2 * (turn.fed + turn.new)
         pages = pages_per_head(tiers.candidates, turn.split.prompt_budget, tiers.page_tokens)
-        # A sketch's scratch: the pool's estimated keys in float32, the logits of d window rows at a
-        # time over them (``page_picks``) and the next layer's pool being decoded (its codes widened to
-        # table indices, then its keys): 16 * Hkv * d bytes a pool token and its masks, within 5
-        # tokens' keys and values of one layer in a 16- or 32-bit model.
-        pool = min(turn.fed, math.ceil(pages * tiers.sketch_pool) * tiers.page_tokens)
-        sketch = turn.layer_bytes * 5 * pool if tiers.sketched else 0
+        # A sketch's scratch: the pool's estimated keys (float32 at most), the logits of up to 2d window
+        # rows at a time over them (``page_picks``; bfloat16 where the keys are) and the next layer's
+        # pool being decoded (its codes widened to table indices, its keys in float32, then rounded):
+        # with the torch path's float32 shares of a chunk, at most 24 * Hkv * d bytes a pool token and
+        # its masks: 6 tokens' keys and values of one layer in a 16-bit model, 3 in a 32-bit one.
+        pool_pages = min(math.ceil(turn.fed / tiers.page_tokens), math.ceil(pages * tiers.sketch_pool))
+        pool = (pool_pages + -pool_pages % POOL_PAGES_STEP) * tiers.page_tokens  # padded (``padded_pool``)
+        sketch = turn.layer_bytes * 6 * pool if tiers.sketched else 0
         return (kv + turn.token_bytes * min(turn.fed, pages * tiers.page_tokens) + sketch
                 + turn.layer_bytes * 2 * (math.ceil(turn.fed / tiers.page_tokens) + turn.new))
 
