@@ -24,11 +24,9 @@ import math
 import torch
 
 from rocketkv_mt import dispatch
+from rocketkv_mt.pool_mass import CAP
 from rocketkv_mt.split_attention import Part, window_probs
 from tiers.cold_layer import padded_indices
-
-# exp() of a bound far above the normaliser is still a ranking, not a probability: cap it before exp.
-_MAX_LOG_RATIO = 60.0
 
 
 def page_bounds(q_win: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -41,7 +39,8 @@ def page_bounds(q_win: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lse
     hkv = kmin.shape[0]
     q = q_win.reshape(hkv, (hq // hkv) * w, d).float()
     bound = (q.clamp(min=0) @ kmax.float().transpose(1, 2) + q.clamp(max=0) @ kmin.float().transpose(1, 2)) * scaling
-    return torch.exp((bound - lse.unsqueeze(-1)).clamp(max=_MAX_LOG_RATIO)).sum(dim=1)
+    # exp() of a bound far above the normaliser is still a ranking, not a probability: capped as shares are.
+    return torch.exp((bound - lse.unsqueeze(-1)).clamp(max=CAP)).sum(dim=1)
 
 
 def pages_per_head(fraction: float, prompt_budget: int, page_tokens: int) -> int:

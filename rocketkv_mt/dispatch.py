@@ -189,33 +189,40 @@ def pool_mass(logits: torch.Tensor, alive: torch.Tensor, lse_dev: torch.Tensor, 
     return torch_pool_mass.pool_mass(logits, alive, lse_dev, mass)
 
 
+def choose_slots(
+    probs: torch.Tensor, key_pos: torch.Tensor, alive: torch.Tensor | None, history_len: int, w: int,
+    prompt_budget: int, kernel_size: int, *, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1's choice from each slot's window probability probs (Hkv, S) at positions key_pos (Hkv, S)
+    (``alive`` (Hkv, S) or None): ``reselect.scores_by_position`` then ``reselect.choose``, in one call of
+    the native C kernel (float32 CPU scores, none NaN) where it is allowed and builds here."""
+    if backend in ("auto", "native") and native_choose.supports(probs):
+        return native_choose.choose(probs, key_pos, alive, history_len, w, prompt_budget, kernel_size)
+    if backend == "native":
+        raise RuntimeError("the native Stage-1 choice needs float32 CPU scores (no NaN) and a C compiler here")
+    raw = _reselect.scores_by_position(probs, key_pos, alive, history_len, w)
+    return _reselect.choose(raw, key_pos, alive, history_len, w, prompt_budget, kernel_size)
+
+
 def choose_over_parts(
     probs: torch.Tensor, device_pos: torch.Tensor, cold_pos: torch.Tensor, cold_alive: torch.Tensor,
     history_len: int, w: int, prompt_budget: int, kernel_size: int, *, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1's choice over the device slots and cold slots beside them: ``reselect.choose_over_parts``,
-    on the native C kernel (float32 CPU scores) where it is allowed and builds here."""
-    if backend in ("auto", "native") and native_choose.supports(probs):
-        key_pos, alive = _reselect.joined_slots(device_pos, cold_pos, cold_alive)
-        return native_choose.choose(probs, key_pos, alive, history_len, w, prompt_budget, kernel_size)
-    if backend == "native":
-        raise RuntimeError("the native Stage-1 choice needs float32 CPU scores (no NaN) and a C compiler here")
-    return _reselect.choose_over_parts(probs, device_pos, cold_pos, cold_alive, history_len, w, prompt_budget,
-                                       kernel_size)
+    through ``choose_slots``."""
+    key_pos, alive = _reselect.joined_slots(device_pos, cold_pos, cold_alive)
+    return choose_slots(probs, key_pos, alive, history_len, w, prompt_budget, kernel_size, backend=backend)
 
 
 def reselect(
     q_win: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, alive: torch.Tensor | None, history_len: int,
     prompt_budget: int, kernel_size: int, scaling: float, *, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage 1's choice over a whole history held in any order: ``reselect.reselect``, its choice on
-    the native C kernel where it is allowed and builds here."""
+    """Stage 1's choice over a whole history held in any order: ``reselect.reselect``, through
+    ``choose_slots``."""
     probs = _reselect.window_slot_probs(q_win, keys, key_pos, alive, history_len, scaling)
-    w = q_win.shape[1]
-    if backend in ("auto", "native") and native_choose.supports(probs):
-        return native_choose.choose(probs, key_pos, alive, history_len, w, prompt_budget, kernel_size)
-    raw = _reselect.scores_by_position(probs, key_pos, alive, history_len, w)
-    return _reselect.choose(raw, key_pos, alive, history_len, w, prompt_budget, kernel_size)
+    return choose_slots(probs, key_pos, alive, history_len, q_win.shape[1], prompt_budget, kernel_size,
+                        backend=backend)
 
 
 def decode_batch_kind(backend: str, q: torch.Tensor) -> str | None:
