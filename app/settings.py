@@ -89,19 +89,23 @@ class Settings(BaseSettings):
         "head and layer, as a fraction of the turn's prompt budget."
     )
     page_grouping: Literal["keys", "position"] = Field(
-        "keys", description="Tiered `digest` mode: the tokens a turn demotes share cold pages with those whose "
+        "position", description="Tiered `digest` mode: the tokens a turn demotes share cold pages with those whose "
         "keys are nearest (`keys`: tight bounds that rank pages well) or with their neighbours in the text "
         "(`position`: the runs Stage 1 keeps fill few pages; the grouping to use with a key sketch)."
     )
     sketch_bits: SketchBits = Field(
-        0, description="Tiered `digest` mode: bits per channel of each cold token's key sketch (0: none). With a "
+        4, description="Tiered `digest` mode: bits per channel of each cold token's key sketch (0: none). With a "
         "sketch a turn runs Stage 1 over the estimated keys of a pool of pages (`sketch_pool`) and reads the pages "
         "holding what it keeps; without one it ranks pages by their key bounds."
     )
     sketch_pool: float = Field(
-        16.0, ge=1, le=1024, description="Tiered `digest` mode with a key sketch: the pages whose sketches a turn "
+        9.0, ge=1, le=1024, description="Tiered `digest` mode with a key sketch: the pages whose sketches a turn "
         "reads, as a multiple of the pages it fetches (those whose key bounds rank highest). A pool that holds "
         "every cold page is decoded for layer l+1 while layer l computes."
+    )
+    sketch_standin: bool = Field(
+        True, description="Tiered `digest` mode with a key sketch: the pool pages a turn scores but does not read "
+        "still weigh in its window rows' attention, through their sketched keys and each page's mean value."
     )
     cold_dtype: Literal["model", "int8"] = Field(
         "model", description="How cold pages are stored in host memory and Redis: in the model's dtype "

@@ -20,6 +20,7 @@ per head, d head dim.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -84,14 +85,25 @@ def row_chunks(rows: int, d: int) -> tuple[int, int]:
     return per, math.ceil(rows / per) * per
 
 
+@dataclass
+class PoolScores:
+    """What Stage 1 over a pool's sketched tokens says of its N pages per KV head.
+
+    ranks (Hkv, N) float32: the number of the page's tokens the choice keeps, plus a fraction < 1 that
+    orders the rest by their window mass. mass (Hkv, N) float32: the window mass of the page's alive
+    sketched tokens (each row's softmax over the device and the pool, summed over the rows): which of
+    the pages a turn does not read weigh most in its window rows' attention (``rocketkv_mt.standin``)."""
+
+    ranks: torch.Tensor
+    mass: torch.Tensor
+
+
 def page_picks(
     q_win: torch.Tensor, window: Part, sketch: torch.Tensor, sketch_pos: torch.Tensor, sketch_alive: torch.Tensor,
     device_pos: torch.Tensor, history_len: int, prompt_budget: int, kernel_size: int, scaling: float,
     page_tokens: int, *, backend: str = "auto",
-) -> torch.Tensor:
-    """Rank of each cold page by Stage 1's choice over the device and the sketched cold tokens:
-    (Hkv, N) float32, the number of its tokens that choice keeps plus a fraction < 1 that orders the
-    rest by the window mass their sketched tokens carry.
+) -> PoolScores:
+    """Stage 1's choice over the device and the sketched cold tokens, page by page (``PoolScores``).
 
     q_win (Hq, w, d); ``window``: the window rows' part over the T device keys, positions device_pos
     (Hkv, T); sketch (Hkv, N * P, d) the estimated cold keys, page by page (float32, or the cheaper
@@ -102,7 +114,8 @@ def page_picks(
     hkv, m = sketch.shape[:2]
     pages = m // page_tokens
     if pages == 0:
-        return torch.zeros(hkv, 0, dtype=torch.float32, device=sketch.device)
+        empty = torch.zeros(hkv, 0, dtype=torch.float32, device=sketch.device)
+        return PoolScores(empty, empty.clone())
     rows = (hq // hkv) * w
     step, padded = row_chunks(rows, d)
     q = torch.zeros(hkv, padded, d, dtype=sketch.dtype, device=sketch.device)
@@ -125,4 +138,4 @@ def page_picks(
     picks = torch.zeros(hkv, pages + 1, dtype=torch.float32, device=slots.device)
     picks.scatter_add_(1, page, from_cold.float())
     mass = cold.view(hkv, pages, page_tokens).sum(dim=-1)
-    return picks[:, :pages] + 0.5 * mass / mass.amax(dim=1, keepdim=True).clamp_min(1e-30)
+    return PoolScores(picks[:, :pages] + 0.5 * mass / mass.amax(dim=1, keepdim=True).clamp_min(1e-30), mass)

@@ -11,6 +11,7 @@ Shapes: Hkv KV heads, P tokens per page, d head dim, N pages of one head.
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +50,17 @@ class _Table:
             self.buf = grown
 
 
+@dataclass
+class Sketched:
+    """A pool of cold pages (Hkv, n) as their sketches give them: estimated keys (Hkv, n * P, d), their
+    positions and alive flags (Hkv, n * P; a -1 page's slots are dead), and the bytes read for them."""
+
+    keys: torch.Tensor
+    positions: torch.Tensor
+    alive: torch.Tensor
+    nbytes: int
+
+
 def padded_indices(mask: torch.Tensor) -> torch.Tensor:
     """Per row of mask (H, N), the indices where it is set, ascending, then -1: (H, most set in a row)."""
     n = mask.shape[1]
@@ -64,7 +76,9 @@ class ColdLayer:
     largest head's page count; a head's rows past its own count are dead. Held as whole tables so that
     a turn reads digests, candidates and page rows of all heads in a few operations, not per head.
 
-    With ``sketch_bits`` each token also keeps a key sketch (``tiers.key_sketch``) beside the bounds.
+    With ``sketch_bits`` each token also keeps a key sketch (``tiers.key_sketch``) beside the bounds,
+    and a value sketch of as many bits within its page's value bounds: what stands in for a page a turn
+    scores by its key sketch but does not read (``rocketkv_mt.standin``).
 
     A ``pages`` argument or result is (Hkv, n) page indices per head, ascending, padded with -1."""
 
@@ -90,6 +104,11 @@ class ColdLayer:
         self._kmax = _Table(hkv, (d,), DIGEST_DTYPE)
         self._slot_of = _Table(hkv, (), torch.long, fill=-1)  # (Hkv, positions): position -> page * P + offset
         self._codes = _Table(hkv, (p, key_sketch.nbytes_per_token(d, self.sketch_bits)), torch.uint8)
+        self._vcodes = _Table(hkv, (p, key_sketch.nbytes_per_token(d, self.sketch_bits)), torch.uint8)
+        width = d if self.sketch_bits else 0
+        self._vmin, self._vmax = _Table(hkv, (width,), DIGEST_DTYPE), _Table(hkv, (width,), DIGEST_DTYPE)
+        # False once a page table without value sketches was restored (written by an older version).
+        self.values_sketched = True
 
     @property
     def _pages(self) -> int:
@@ -121,21 +140,36 @@ class ColdLayer:
         return self._kmin.buf[:, :n].to(device), self._kmax.buf[:, :n].to(device), live.to(device), nbytes
 
     def sketched(self, device: torch.device, pages: torch.Tensor, dtype: torch.dtype = torch.float32,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """The given pages' (Hkv, n) estimated keys (Hkv, n * P, d) in ``dtype``, from their sketches and
-        bounds, their positions and alive flags (Hkv, n * P; a -1 page's slots are dead), and the
-        bytes read: codes and bounds (``sketch_bits`` > 0)."""
+                 bounds_read: bool = False) -> Sketched:
+        """The given pages' (Hkv, n) estimated keys, from their sketches and bounds (``Sketched``).
+        ``bounds_read``: the turn read every page's bounds already (``digests``), so only the codes
+        count as read here."""
         hkv, n = len(self.ids), pages.shape[1]
         pages = pages.cpu()
         at, pos, alive = self._rows(pages)
         codes = self._codes.buf[at]
         kmin, kmax = self._kmin.buf[at], self._kmax.buf[at]
         # The codes and the bounds they are steps of: both read for every page scored.
-        per_page = (self.page_tokens * key_sketch.nbytes_per_token(self.head_dim, self.sketch_bits)
-                    + 2 * self.head_dim * kmin.element_size())
+        per_page = self.page_tokens * key_sketch.nbytes_per_token(self.head_dim, self.sketch_bits)
+        if not bounds_read:
+            per_page += 2 * self.head_dim * kmin.element_size()
         nbytes = int((pages >= 0).sum()) * per_page
         keys = key_sketch.decode(codes.to(device), kmin.to(device), kmax.to(device), self.sketch_bits, dtype)
-        return keys.reshape(hkv, n * self.page_tokens, self.head_dim), pos.to(device), alive.to(device), nbytes
+        return Sketched(keys.reshape(hkv, n * self.page_tokens, self.head_dim), pos.to(device), alive.to(device),
+                        nbytes)
+
+    def sketched_values(self, device: torch.device, pages: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The given pages' (Hkv, n) estimated values (Hkv, n * P, d) float32, from their value sketches
+        and value bounds, and the bytes read (codes and bounds); None where values are not sketched."""
+        if not (self.sketch_bits and self.values_sketched):
+            return None
+        hkv, n = len(self.ids), pages.shape[1]
+        at = self._rows(pages.cpu())[0]
+        codes, vmin, vmax = self._vcodes.buf[at], self._vmin.buf[at], self._vmax.buf[at]
+        per_page = codes[0, 0].numel() if n else 0
+        nbytes = int((pages >= 0).sum()) * (per_page + 2 * self.head_dim * vmin.element_size())
+        values = key_sketch.decode(codes.to(device), vmin.to(device), vmax.to(device), self.sketch_bits)
+        return values.reshape(hkv, n * self.page_tokens, self.head_dim), nbytes
 
     def _rows(self, pages: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
         """For pages (Hkv, n) on the CPU: the index of their table rows (a -1 page reads row 0), and
@@ -165,12 +199,14 @@ class ColdLayer:
         self._slot_of.buf[head, pos[real]] = flat[real]
 
     def _append(self, head: int, ids: list[str], pos: torch.Tensor, alive: torch.Tensor, kmin: torch.Tensor,
-                kmax: torch.Tensor, codes: torch.Tensor) -> None:
+                kmax: torch.Tensor, codes: torch.Tensor, vsketch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """New pages of one head: their ids, positions and alive flags (m, P), bounds (m, d), sketch
-        codes (m, P, c) (c = 0 without a sketch)."""
+        codes (m, P, c), and the value sketch: codes (m, P, c) and bounds (m, d) twice (c and d = 0
+        without a sketch)."""
         first = len(self.ids[head])
         last = first + len(ids)
-        tables = ((self._pos, pos), (self._alive, alive), (self._kmin, kmin), (self._kmax, kmax), (self._codes, codes))
+        tables = ((self._pos, pos), (self._alive, alive), (self._kmin, kmin), (self._kmax, kmax), (self._codes, codes),
+                  (self._vcodes, vsketch[0]), (self._vmin, vsketch[1]), (self._vmax, vsketch[2]))
         for table, rows in tables:
             table.ensure(last)
             table.buf[head, first:last] = rows
@@ -224,17 +260,32 @@ class ColdLayer:
         encoded = self.codec.encode(k, v)
         written = self.host.put_many(self.session_id, ids, encoded)
         # Bounds of the keys a fetch gives back (with int8 these differ from k by up to half a step).
-        stored = self.codec.decode(encoded, self.dtype)[0]
+        stored, stored_v = self.codec.decode(encoded, self.dtype)
         kmin, kmax = outward(stored.amin(dim=1).cpu(), up=False), outward(stored.amax(dim=1).cpu(), up=True)
         codes = self._encode_sketch(stored, kmin, kmax)
         pos = torch.cat(new_pos)
+        vsketch = self._sketch_values(stored_v, pos)
         owner_t = torch.tensor(owners)
         for i in range(len(self.ids)):
             rows = torch.nonzero(owner_t == i).flatten()
             if rows.numel():
                 self._append(i, [ids[r] for r in rows.tolist()], pos[rows], pos[rows] >= 0, kmin[rows], kmax[rows],
-                             codes[rows])
+                             codes[rows], tuple(t[rows] for t in vsketch))
         return written
+
+    def _sketch_values(self, values: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The value sketch of pages: codes (m, P, c) within each page's value bounds (m, d), taken over
+        its tokens (padding excluded) and rounded outward; widths 0 without a sketch. values (m, P, d) as
+        a fetch gives them back, pos (m, P) (-1: padding)."""
+        m, p, d = values.shape
+        if not self.sketch_bits:
+            return (torch.zeros(m, p, 0, dtype=torch.uint8), torch.zeros(m, 0, dtype=DIGEST_DTYPE),
+                    torch.zeros(m, 0, dtype=DIGEST_DTYPE))
+        v = values.cpu().float()
+        real = (pos >= 0).unsqueeze(-1)
+        vmin = outward(torch.where(real, v, float("inf")).amin(dim=1), up=False)
+        vmax = outward(torch.where(real, v, float("-inf")).amax(dim=1), up=True)
+        return key_sketch.encode(v, vmin, vmax, self.sketch_bits), vmin, vmax
 
     def _encode_sketch(self, keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
         """Sketch codes (m, P, c) of pages' keys (m, P, d) within their stored bounds; c = 0 without one."""
@@ -300,6 +351,20 @@ class ColdLayer:
         middle = sum(((1 << self.sketch_bits) // 2) << s for s in range(0, 8, self.sketch_bits or 8)) if width else 0
         return torch.full((pages, self.page_tokens, width), middle, dtype=torch.uint8)
 
+    def _restored_values(self, tensors: dict[str, torch.Tensor], head: int, pages: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A head's value sketch from a persisted page table; for a table written without one, zeros,
+        and no value sketch for this layer from then on (``values_sketched``)."""
+        width, d = self._vcodes.buf.shape[-1], self._vmin.buf.shape[-1]
+        got = tuple(tensors.get(f"{name}{head}") for name in ("vcodes", "vmin", "vmax"))
+        shapes = ((pages, self.page_tokens, width), (pages, d), (pages, d))
+        if all(t is not None and tuple(t.shape) == shape for t, shape in zip(got, shapes)):
+            return got
+        if width:
+            self.values_sketched = False
+        return (torch.zeros(*shapes[0], dtype=torch.uint8), torch.zeros(*shapes[1], dtype=DIGEST_DTYPE),
+                torch.zeros(*shapes[2], dtype=DIGEST_DTYPE))
+
     def page_ids(self) -> list[str]:
         return [pid for ids in self.ids for pid in ids]
 
@@ -315,6 +380,10 @@ class ColdLayer:
             out[f"ids{i}"] = torch.tensor([int(pid.rsplit("-", 1)[1]) for pid in ids], dtype=torch.int64)
             if self.sketch_bits:
                 out[f"codes{i}"] = self._codes.buf[i, :n].clone()
+                if self.values_sketched:
+                    out[f"vcodes{i}"] = self._vcodes.buf[i, :n].clone()
+                    out[f"vmin{i}"] = self._vmin.buf[i, :n].clone()
+                    out[f"vmax{i}"] = self._vmax.buf[i, :n].clone()
         return out
 
     def snapshot(self) -> dict:
@@ -330,5 +399,5 @@ class ColdLayer:
             if ids:
                 self._append(i, ids, tensors[f"pos{i}"].long(), tensors[f"alive{i}"],
                              outward(tensors[f"kmin{i}"], up=False), outward(tensors[f"kmax{i}"], up=True),
-                             self._restored_codes(tensors, i, len(ids)))
+                             self._restored_codes(tensors, i, len(ids)), self._restored_values(tensors, i, len(ids)))
         self.host.adopt_many(self.session_id, self.page_ids())

@@ -12,7 +12,8 @@ and then only computes until it waits for it.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -35,7 +36,8 @@ class Transfers:
         return self._stream is not None or overlapped_work
 
     def start(self, fn: Callable[[], T]) -> concurrent.futures.Future:
-        """Run ``fn`` (a read that returns a tuple) on the worker thread."""
+        """Run ``fn`` (a read that returns tensors, alone or in tuples, lists and dataclasses) on the worker
+        thread."""
         return self._worker.submit(self._on_side_stream, fn)
 
     def _on_side_stream(self, fn: Callable[[], T]) -> T:
@@ -51,10 +53,22 @@ class Transfers:
         if self._stream is not None:
             main = torch.cuda.current_stream(self.device)
             main.wait_stream(self._stream)
-            for t in out:
-                if getattr(t, "is_cuda", False):
+            for t in _tensors(out):
+                if t.is_cuda:
                     t.record_stream(main)
         return out
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def _tensors(out) -> Iterator[torch.Tensor]:
+    """Every tensor a read handed back: itself, or inside its tuples, lists and dataclasses."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            yield from _tensors(item)
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        for f in dataclasses.fields(out):
+            yield from _tensors(getattr(out, f.name))

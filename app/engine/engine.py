@@ -76,6 +76,7 @@ class Engine(TurnLoop, DeviceResidency):
             page_grouping=settings.page_grouping,
             sketch_bits=settings.sketch_bits,
             sketch_pool=settings.sketch_pool,
+            standin=settings.sketch_standin,
             codec=make_codec("int8" if settings.cold_dtype == "int8" else "raw"),
         )
         self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec, self.tier_policy)

@@ -26,16 +26,18 @@ class TierPolicy:
     (``position``; ``exhaustive`` reads every page, so it always pages by position). sketch_bits:
     with ``digest``, bits per channel of every cold token's key sketch (``tiers.key_sketch``; 0: none),
     by which a turn runs Stage 1 over the sketched tokens of a pool of pages (``sketch_pool`` times
-    the candidates, those whose bounds rank highest) before reading a page. codec: how pages are
-    stored."""
+    the candidates, those whose bounds rank highest) before reading a page. standin: with a sketch, the
+    pool pages a turn does not read join its window rows' attention through their sketched keys and
+    mean values (``rocketkv_mt.standin``). codec: how pages are stored."""
 
     page_tokens: int = 32
     prefill_attention: Literal["dense", "selected"] = "dense"
     reselect: Literal["digest", "exhaustive"] = "digest"
     candidates: float = 0.5
-    page_grouping: Literal["keys", "position"] = "keys"
-    sketch_bits: int = 0
-    sketch_pool: float = 16.0
+    page_grouping: Literal["keys", "position"] = "position"
+    sketch_bits: int = 4
+    sketch_pool: float = 9.0
+    standin: bool = True
     codec: PageCodec = field(default_factory=RawCodec)
 
     @property

@@ -1,9 +1,12 @@
 """Choosing cold pages (``rocketkv_mt.cold_select``) and re-selecting over a partly held history
 (``rocketkv_mt.reselect``): pure tensor logic, no model."""
+import math
+
 import pytest
 import torch
 
 from rocketkv_mt.cold_select import candidate_pages, page_bounds
+from rocketkv_mt.pool_mass import FLOOR
 from rocketkv_mt.reselect import reselect
 from rocketkv_mt.stage1 import snapkv_keep_indices, window_scores
 
@@ -232,8 +235,8 @@ def test_page_picks_in_bfloat16_fetch_the_pages_float32_does():
     window = attend_part(q, gather(keys, dev_pos), torch.randn(hkv, dev_pos.shape[1], d, generator=gen), d ** -0.5,
                          w, own_tail=w)
     args = (cold_pos, alive, dev_pos, history, budget, kernel, d ** -0.5, p)
-    exact = page_picks(q, window, gather(keys, cold_pos), *args)
-    half = page_picks(q, window, gather(keys, cold_pos).bfloat16(), *args)
+    exact = page_picks(q, window, gather(keys, cold_pos), *args).ranks
+    half = page_picks(q, window, gather(keys, cold_pos).bfloat16(), *args).ranks
     assert exact.floor().sum() > budget // 2  # most of the choice is cold: the ranking matters
     best = lambda r: {int(i) for i in r.topk(8).indices}  # noqa: E731
     for h in range(hkv):
@@ -260,9 +263,11 @@ def check_page_picks(group: int, seed: int, spread: float, dead_head: int | None
     cold_pos_seen = torch.where(cold_alive, cold_pos, -1)
     window = attend_part(q, dev_keys, gather(values, dev_pos), scaling, w, own_tail=w)
 
-    ranks = page_picks(q, window, cold_keys, cold_pos, cold_alive, dev_pos, history, budget, kernel, scaling, p,
-                       backend=backend)
+    scores = page_picks(q, window, cold_keys, cold_pos, cold_alive, dev_pos, history, budget, kernel, scaling, p,
+                        backend=backend)
+    ranks = scores.ranks
     assert ranks.shape == (hkv, cold_n // p) and torch.isfinite(ranks).all()
+
 
     # Exhaustive: Stage 1 over the device slots and the alive cold ones, all in one set.
     all_keys = torch.cat([dev_keys, cold_keys], dim=1)
@@ -277,13 +282,20 @@ def check_page_picks(group: int, seed: int, spread: float, dead_head: int | None
         assert torch.equal(ranks[h].floor().long(), want), (h, ranks[h], want)
         frac = ranks[h] - ranks[h].floor()
         assert (frac >= 0).all() and (frac <= 0.5 + 1e-6).all()
+        # A page's window mass: each row's softmax over the device (the window's own tokens causal) and the
+        # alive cold keys, summed over the rows and the page's alive tokens.
+        qq = q.reshape(hkv, group * w, d)[h]
+        lse = torch.logaddexp(window.lse.reshape(hkv, -1)[h],
+                              torch.logsumexp(qq @ cold_keys[h][cold_alive[h]].T * scaling, dim=1)).unsqueeze(1)
+        mass = torch.where(cold_alive[h], torch.exp(qq @ cold_keys[h].T * scaling - lse).sum(0), 0.0)
+        mass = mass.view(-1, p).sum(1)
+        torch.testing.assert_close(scores.mass[h], mass, rtol=1e-4, atol=logits_floor(group * w * p))
         # Among pages Stage 1 keeps nothing of, the one whose tokens carry most window mass ranks first.
         none = want == 0
         if int(none.sum()) > 1:
-            qq = q.reshape(hkv, group * w, d)[h]
-            # Each row's normaliser: its device part's (the window's own tokens causal) and the alive cold keys.
-            lse = torch.logaddexp(window.lse.reshape(hkv, -1)[h],
-                                  torch.logsumexp(qq @ cold_keys[h][cold_alive[h]].T * scaling, dim=1)).unsqueeze(1)
-            mass = torch.where(cold_alive[h], torch.exp(qq @ cold_keys[h].T * scaling - lse).sum(0), 0.0)
-            mass = mass.view(-1, p).sum(1)
             assert int(torch.argmax(torch.where(none, ranks[h], -1.0))) == int(torch.argmax(torch.where(none, mass, -1.0)))
+
+
+def logits_floor(slots: int) -> float:
+    """What shares floored at exp(FLOOR) can add to a page's mass over ``slots`` row-slot pairs."""
+    return slots * math.exp(FLOOR) + 1e-12

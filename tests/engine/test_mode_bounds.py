@@ -12,6 +12,7 @@ from rocketkv_mt.config import RocketKVConfig
 
 TIER_POLICIES = {
     "digest": TierPolicy(page_tokens=8, reselect="digest", candidates=0.5),
+    "bounds": TierPolicy(page_tokens=8, reselect="digest", page_grouping="keys", sketch_bits=0),
     "exhaustive": TierPolicy(page_tokens=8, reselect="exhaustive"),
     "selected": TierPolicy(page_tokens=8, prefill_attention="selected"),
     "wide-digest": TierPolicy(page_tokens=4, reselect="digest", candidates=4.0),

@@ -31,7 +31,8 @@ async def converse(engine, session, turns):
     return outs
 
 
-@pytest.mark.parametrize("ranking", [{}, {"page_grouping": "position", "sketch_bits": 2}], ids=["bounds", "sketch"])
+@pytest.mark.parametrize("ranking", [{"page_grouping": "keys", "sketch_bits": 0}, {"sketch_bits": 2}, {}],
+                         ids=["bounds", "sketch2", "default"])
 async def test_every_position_is_in_exactly_one_tier_after_every_turn(make_engine, redis_url, ranking):
     # A host tier of 288 pages (9,216 cold tokens of all layers and heads) forces spills to Redis, so
     # all three tiers hold part of the history.

@@ -101,5 +101,5 @@ def test_every_default_as_the_tables_write_it_reads_back_from_the_environment(mo
                 monkeypatch.delenv(f"RKV_{name.upper()}")
                 checked += 1
     assert checked >= 40
-    monkeypatch.setenv("RKV_SKETCH_BITS", "4")
-    assert Settings().sketch_bits == 4
+    monkeypatch.setenv("RKV_SKETCH_BITS", "2")
+    assert Settings().sketch_bits == 2

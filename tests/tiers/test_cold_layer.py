@@ -230,7 +230,8 @@ def test_a_sketch_estimates_every_cold_key_and_survives_a_restore(bits):
     layer.demote(keys, values, positions, make_mask([40, 25, 9], seed=13))
     every = torch.stack([torch.arange(3), torch.tensor([0, 1, -1]), torch.tensor([0, -1, -1])])
     assert torch.equal(layer.live_pages(), every)
-    est, pos, alive, nbytes = layer.sketched(torch.device("cpu"), every)
+    sk = layer.sketched(torch.device("cpu"), every)
+    est, pos, alive, nbytes = sk.keys, sk.positions, sk.alive, sk.nbytes
     kmin, kmax, _, _ = layer.digests(torch.device("cpu"))
     pages = [len(ids) for ids in layer.ids]
     per_page = P * D * bits // 8 + 2 * D * DIGEST_DTYPE.itemsize  # the codes and the bounds they step within
@@ -245,8 +246,11 @@ def test_a_sketch_estimates_every_cold_key_and_survives_a_restore(bits):
         assert int(alive[h].sum()) == [40, 25, 9][h]
     # Some pages only: the same rows for those, dead slots for the padding.
     some = torch.tensor([[1, 2], [1, -1], [-1, -1]])
-    part, part_pos, part_alive, part_nbytes = layer.sketched(torch.device("cpu"), some)
+    sk = layer.sketched(torch.device("cpu"), some)
+    part, part_pos, part_alive, part_nbytes = sk.keys, sk.positions, sk.alive, sk.nbytes
     assert part_nbytes == 3 * per_page and part.shape == (HKV, 2 * P, D)
+    # After every page's bounds were read (``digests``), a pool's read is its codes alone.
+    assert layer.sketched(torch.device("cpu"), some, bounds_read=True).nbytes == 3 * P * D * bits // 8
     assert torch.equal(part[0], est[0, P:]) and torch.equal(part[1, :P], est[1, P : 2 * P])
     assert torch.equal(part_pos[0], pos[0, P:]) and torch.equal(part_alive[0], alive[0, P:])
     assert not part_alive[1, P:].any() and not part_alive[2].any() and (part_pos[2] == -1).all()
@@ -255,13 +259,14 @@ def test_a_sketch_estimates_every_cold_key_and_survives_a_restore(bits):
     tensors, _ = decode_tensors(header, data)
     copy = ColdLayer("s1", 2, host, P, RawCodec(), HKV, D, DTYPE, sketch_bits=bits)
     copy.restore(json.loads(json.dumps(layer.snapshot())), tensors)
-    *got, got_nbytes = copy.sketched(torch.device("cpu"), every)
-    assert all(torch.equal(x, y) for x, y in zip(got, (est, pos, alive))) and got_nbytes == nbytes
+    got = copy.sketched(torch.device("cpu"), every)
+    assert all(torch.equal(x, y) for x, y in zip((got.keys, got.positions, got.alive), (est, pos, alive)))
+    assert got.nbytes == nbytes
     plain = new_layer(host)
     plain.restore(layer.snapshot(), {k: t for k, t in tensors.items() if not k.startswith("codes")})
     blind = ColdLayer("s1", 2, host, P, RawCodec(), HKV, D, DTYPE, sketch_bits=bits)
     blind.restore(layer.snapshot(), plain.index_tensors())
-    middle = blind.sketched(torch.device("cpu"), every)[0]
+    middle = blind.sketched(torch.device("cpu"), every).keys
     valid = (every >= 0).repeat_interleave(P, dim=1)
     lo, hi = kmin.float().repeat_interleave(P, dim=1), kmax.float().repeat_interleave(P, dim=1)
     middle, lo, hi = middle[valid], lo[valid], hi[valid]
@@ -272,3 +277,40 @@ def test_a_sketch_estimates_every_cold_key_and_survives_a_restore(bits):
 def test_a_cold_layer_refuses_a_sketch_it_cannot_pack():
     with pytest.raises(ValueError):
         ColdLayer("s1", 2, HostTier(1 << 20, pin=False), P, RawCodec(), HKV, 6, DTYPE, sketch_bits=2)
+
+
+def test_a_sketched_page_keeps_a_value_sketch_and_a_restore_keeps_it():
+    """Each token's value is known to half a step of its page's value range (padding excluded from the
+    range), read back by page (codes and bounds, counted), persisted with the page table; a table
+    written without value sketches restores with none for that layer, not with zeros."""
+    keys, values, positions = make_store(12)
+    host = HostTier(1 << 20, pin=False)
+    layer = ColdLayer("s1", 2, host, P, RawCodec(), HKV, D, DTYPE, sketch_bits=4)
+    layer.demote(keys, values, positions, make_mask([40, 25, 9], seed=13))
+    every = layer.live_pages()
+    est, nbytes = layer.sketched_values(torch.device("cpu"), every)
+    pages = [len(ids) for ids in layer.ids]
+    assert nbytes == sum(pages) * (P * D // 2 + 2 * D * DIGEST_DTYPE.itemsize)
+    assert est.shape == (HKV, every.shape[1] * P, D) and est.dtype == torch.float32
+    sk = layer.sketched(torch.device("cpu"), every)
+    for h in range(HKV):
+        truth = by_position(keys, values, positions, h)
+        for j in range(pages[h]):
+            at = sk.positions[h, j * P : (j + 1) * P]
+            real = [int(x) for x in at if x >= 0]
+            vals = torch.stack([truth[x][1].float() for x in real])
+            step = (vals.amax(dim=0) - vals.amin(dim=0)) / 16
+            for i, x in enumerate(at.tolist()):
+                if x >= 0:
+                    err = (est[h, j * P + i] - truth[x][1].float()).abs()
+                    assert (err <= step / 2 * 1.02 + 1e-6).all()  # bfloat16 bounds rounded outward: a hair wider
+    header, data = encode_tensors(layer.index_tensors())
+    tensors, _ = decode_tensors(header, data)
+    copy = ColdLayer("s1", 2, host, P, RawCodec(), HKV, D, DTYPE, sketch_bits=4)
+    copy.restore(layer.snapshot(), tensors)
+    assert torch.equal(copy.sketched_values(torch.device("cpu"), every)[0], est)
+    older = ColdLayer("s1", 2, host, P, RawCodec(), HKV, D, DTYPE, sketch_bits=4)
+    older.restore(layer.snapshot(), {k: t for k, t in tensors.items() if not k.startswith("v")})
+    assert not older.values_sketched and older.sketched_values(torch.device("cpu"), every) is None
+    assert not any(k.startswith("v") for k in older.index_tensors())
+    assert new_layer(host).sketched_values(torch.device("cpu"), every) is None  # no sketch at all

@@ -38,3 +38,20 @@ def test_a_failed_read_raises_its_own_error_in_the_waiting_thread():
             transfers.wait(transfers.start(read))
     finally:
         transfers.close()
+
+
+def test_every_tensor_a_read_hands_back_is_found_for_the_main_stream():
+    # On CUDA each is recorded as in use on the main stream: a tensor missed there could be reused by
+    # the allocator while the model still reads it.
+    from dataclasses import dataclass
+
+    from tiers.transfers import _tensors
+
+    @dataclass
+    class Pair:
+        a: torch.Tensor
+        b: torch.Tensor | None
+
+    x, y, z, w = (torch.zeros(i + 1) for i in range(4))
+    found = list(_tensors(((x, [y]), Pair(z, None), Pair(w, x), 3, "name")))
+    assert [id(t) for t in found] == [id(x), id(y), id(z), id(w), id(x)]

@@ -21,9 +21,10 @@ from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 from rocketkv_mt.cold_select import candidate_pages, page_bounds, page_picks, pages_per_head, sketch_dtype
 from rocketkv_mt.dispatch import choose_over_parts, reselect
-from rocketkv_mt.split_attention import attend_part, join_rows, merge, window_probs
+from rocketkv_mt.split_attention import Part, attend_part, join_rows, merge, window_probs
+from rocketkv_mt.standin import standin_pages, standin_part
 from tiers.base import batch_nbytes
-from tiers.cold_layer import ColdLayer
+from tiers.cold_layer import ColdLayer, Sketched
 
 
 @dataclass
@@ -63,6 +64,11 @@ def promoted_only(slots: torch.Tensor, device_slots: int, cand: tuple) -> tuple[
 # product of a bfloat16 sketch builds a kernel for every new shape (about a millisecond each here), and
 # padded pools repeat a few shapes across layers and turns.
 POOL_PAGES_STEP = 16
+
+
+def pages_of(pool: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """The cold pages (Hkv, k) that ``picked`` (Hkv, k), columns of ``pool`` (Hkv, n), name; -1 stays -1."""
+    return torch.where(picked >= 0, torch.gather(pool, 1, picked.clamp(min=0)), -1)
 
 
 def padded_pool(pages: torch.Tensor) -> torch.Tensor:
@@ -129,17 +135,18 @@ class ReselectTiered(PrefillPolicy):
         # part; one exact softmax over both.
         self._prefetch_sketch(layer + 1)
         window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w)
-        read = partial(self._read_candidates, layer, q_win, window, scaling, total)
+        read = partial(self._read_candidates, layer, q_win, window, scaling, total, n)
         transfers = self.tiers.transfers
         reading = transfers.start(read) if transfers is not None and transfers.pays(n > w) else None
         device = window
         if n > w:
             device = join_rows(attend_part(q[:, : n - w], store.keys, store.values, scaling, 0, own_tail=n), window)
-        cand = transfers.wait(reading) if reading is not None else read()
+        cand, standin = transfers.wait(reading) if reading is not None else read()
         parts = [device]
         if cand[0].shape[1]:
             parts.append(attend_part(q, cand[0], cand[1], scaling, w, visible=cand[3]))
-        out, lse = merge(parts, q.dtype)
+        # The pages that stand in weigh in the softmax, so in Stage 1's scores, but hold no slot to choose.
+        out, lse = merge(parts + [standin] if standin is not None else parts, q.dtype)
         probs = torch.cat([window_probs(part, lse) for part in parts], dim=1)
         slots, positions, scores = choose_over_parts(probs, store.positions, cand[2], cand[3], total, w,
                                                      split.prompt_budget, split.kernel_size, backend=cache.spec.kernels)
@@ -205,37 +212,64 @@ class ReselectTiered(PrefillPolicy):
         store.replace(new_k, new_v, positions)
         cache.selected(layer, store, scores)
 
-    def _read_candidates(self, layer: int, q_win: torch.Tensor, window, scaling: float, total: int):
+    def _read_candidates(self, layer: int, q_win: torch.Tensor, window: Part, scaling: float, total: int, n: int
+                         ) -> tuple[tuple, Part | None]:
         """The cold pages this turn scores, read from the tiers: keys, values (Hkv, M, d), positions,
-        alive, flat cold slots (Hkv, M). ``exhaustive``: all pages with cold tokens; ``digest``: the
-        pages whose digests rank highest, a budgeted number per KV head. ``window``: the window rows'
-        attention part over the device keys (its normaliser bounds the final one); ``total``: the
-        history's length with the turn. Runs on the page reader's thread while the model thread
-        attends with the other rows."""
+        alive, flat cold slots (Hkv, M); and, with a sketch and ``standin``, the unread pages that carry
+        the most window mass as an attention part over the turn's n rows (``rocketkv_mt.standin``),
+        else None.
+        ``exhaustive``: all pages with cold tokens; ``digest``: the pages whose digests rank highest, a
+        budgeted number per KV head. ``window``: the window rows' attention part over the device keys
+        (its normaliser bounds the final one); ``total``: the history's length with the turn. Runs on
+        the page reader's thread while the model thread attends with the other rows."""
         cache, policy = self.cache, self.tiers.policy
         cold, dev, split = self.cold[layer], cache.spec.device, cache.split
         if policy.reselect == "exhaustive":
-            return cold.fetch(cold.live_pages(), dev, cache.traffic)
+            return cold.fetch(cold.live_pages(), dev, cache.traffic), None
         per_head = pages_per_head(policy.candidates, split.prompt_budget, policy.page_tokens)
         pool, sketch = self._take_sketch(layer) if cold.sketch_bits else (None, None)
+        lse_dev = window.lse.reshape(cache.spec.num_kv_heads, -1)
         if pool is None:
             kmin, kmax, live, nbytes = cold.digests(dev)
             cache.traffic.digest_bytes_read += nbytes
-            bounds = page_bounds(q_win, kmin, kmax, window.lse.reshape(kmin.shape[0], -1), scaling)
+            bounds = page_bounds(q_win, kmin, kmax, lse_dev, scaling)
             if not cold.sketch_bits:
-                return cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic)
+                return cold.fetch(candidate_pages(bounds, live, per_head), dev, cache.traffic), None
             # The pages whose bounds rank highest are the pool whose sketches are read; Stage 1 over
             # the device and the pool's sketched tokens then says which of them to read.
             pool = padded_pool(candidate_pages(bounds, live, self._pool_pages()))
-            sketch = cold.sketched(dev, pool, self._sketch_dtype)
-        est, pos, alive, nbytes = sketch
+            sketch = self._sketch(layer, pool, bounds_read=True)
         pool = pool.to(dev)
-        cache.traffic.digest_bytes_read += nbytes
-        ranks = page_picks(q_win, window, est, pos, alive, cache.layers[layer].positions, total,
-                           split.prompt_budget, split.kernel_size, scaling, policy.page_tokens,
-                           backend=cache.spec.kernels)
-        chosen = candidate_pages(ranks, pool >= 0, per_head)
-        return cold.fetch(torch.where(chosen >= 0, torch.gather(pool, 1, chosen.clamp(min=0)), -1), dev, cache.traffic)
+        cache.traffic.digest_bytes_read += sketch.nbytes
+        scores = page_picks(q_win, window, sketch.keys, sketch.positions, sketch.alive, cache.layers[layer].positions,
+                            total, split.prompt_budget, split.kernel_size, scaling, policy.page_tokens,
+                            backend=cache.spec.kernels)
+        chosen = candidate_pages(scores.ranks, pool >= 0, per_head)
+        cand = cold.fetch(pages_of(pool, chosen), dev, cache.traffic)
+        return cand, self._standin(layer, q_win, pool, chosen, scores.mass, sketch, scaling, n, per_head)
+
+    def _standin(self, layer: int, q_win: torch.Tensor, pool: torch.Tensor, chosen: torch.Tensor, mass: torch.Tensor,
+                 sketch: Sketched, scaling: float, n: int, count: int) -> Part | None:
+        """The ``count`` unread pool pages per KV head with the most window mass, over their sketched keys
+        and values, as an attention part (``rocketkv_mt.standin``); None when off or not sketched."""
+        if not self.tiers.policy.standin:
+            return None
+        cold, p = self.cold[layer], self.tiers.policy.page_tokens
+        read = torch.zeros(pool.shape[0], pool.shape[1] + 1, dtype=torch.bool, device=pool.device)
+        read.scatter_(1, torch.where(chosen >= 0, chosen, pool.shape[1]), True)  # padding marks a spare column
+        picked = standin_pages(mass, (pool >= 0) & ~read[:, :-1], count)
+        values = cold.sketched_values(self.cache.spec.device, pages_of(pool, picked)) if picked.shape[1] else None
+        if values is None:
+            return None
+        self.cache.traffic.digest_bytes_read += values[1]
+        slots = (picked.clamp(min=0).unsqueeze(-1) * p + torch.arange(p, device=picked.device)).flatten(1)
+        alive = torch.gather(sketch.alive, 1, slots) & (picked >= 0).repeat_interleave(p, dim=1)
+        keys = torch.gather(sketch.keys, 1, slots.unsqueeze(-1).expand(-1, -1, sketch.keys.shape[-1]))
+        return standin_part(q_win, keys, values[0], alive, scaling, n)
+
+    def _sketch(self, layer: int, pool: torch.Tensor, bounds_read: bool = False) -> Sketched:
+        """The pool's key sketches decoded (``ColdLayer.sketched``)."""
+        return self.cold[layer].sketched(self.cache.spec.device, pool, self._sketch_dtype, bounds_read=bounds_read)
 
     def _pool_pages(self) -> int:
         """Pages per KV head whose sketches a turn scores: ``sketch_pool`` times those it fetches."""
@@ -258,10 +292,9 @@ class ReselectTiered(PrefillPolicy):
             return
         pool = self._whole_pool(layer)
         if pool is not None:
-            self._sketches[layer] = (pool, transfers.start(partial(self.cold[layer].sketched, self.cache.spec.device,
-                                                                   pool, self._sketch_dtype)))
+            self._sketches[layer] = (pool, transfers.start(partial(self._sketch, layer, pool)))
 
-    def _take_sketch(self, layer: int) -> tuple[torch.Tensor | None, tuple | None]:
+    def _take_sketch(self, layer: int) -> tuple[torch.Tensor | None, Sketched | None]:
         """The layer's pool and its decoded sketch: the prefetched ones, else (whole pool, decoded now)
         if the pool holds every live page, else (None, None)."""
         started, self._sketches[layer] = self._sketches[layer], None
@@ -270,7 +303,7 @@ class ReselectTiered(PrefillPolicy):
         pool = self._whole_pool(layer)
         if pool is None:
             return None, None
-        return pool, self.cold[layer].sketched(self.cache.spec.device, pool, self._sketch_dtype)
+        return pool, self._sketch(layer, pool)
 
     def _drop_sketches(self) -> None:
         """Let every decode still in flight finish (a turn that stopped between layers), then forget
@@ -298,10 +331,14 @@ class ReselectTiered(PrefillPolicy):
         # rows at a time over them (``page_picks``; bfloat16 where the keys are) and the next layer's
         # pool being decoded (its codes widened to table indices, its keys in float32, then rounded):
         # with the torch path's float32 shares of a chunk, at most 24 * Hkv * d bytes a pool token and
-        # its masks: 6 tokens' keys and values of one layer in a 16-bit model, 3 in a 32-bit one.
+        # its masks: 6 tokens' keys and values of one layer in a 16-bit model, 3 in a 32-bit one. The
+        # stand-in (``rocketkv_mt.standin``) adds as many tokens as the pages read, their gathered keys and
+        # decoded values in float32: 2 tokens' keys and values of one layer each in a 16-bit model.
         pool_pages = min(math.ceil(turn.fed / tiers.page_tokens), math.ceil(pages * tiers.sketch_pool))
         pool = (pool_pages + -pool_pages % POOL_PAGES_STEP) * tiers.page_tokens  # padded (``padded_pool``)
         sketch = turn.layer_bytes * 6 * pool if tiers.sketched else 0
+        if tiers.sketched and tiers.standin:
+            sketch += turn.layer_bytes * 2 * min(turn.fed, pages * tiers.page_tokens)
         return (kv + turn.token_bytes * min(turn.fed, pages * tiers.page_tokens) + sketch
                 + turn.layer_bytes * 2 * (math.ceil(turn.fed / tiers.page_tokens) + turn.new))
 
