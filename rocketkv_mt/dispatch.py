@@ -19,6 +19,7 @@ from . import hsa, pool_mass as torch_pool_mass, stage1
 from . import reselect as _reselect
 from .native import hsa as native_hsa
 from .native import pool_mass as native_pool_mass
+from .native import softmax_rows as native_softmax
 from .native import stage1_choose as native_choose
 
 BACKENDS = ("auto", "torch", "triton", "native")
@@ -187,6 +188,20 @@ def pool_mass(logits: torch.Tensor, alive: torch.Tensor, lse_dev: torch.Tensor, 
         if backend == "native":
             raise RuntimeError("the native pool mass needs float32 or bfloat16 CPU logits and a C compiler here")
     return torch_pool_mass.pool_mass(logits, alive, lse_dev, mass)
+
+
+def softmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Overwrite logits (..., n) with exp(logit - row max); return (row max, row sum), each (..., 1), the
+    max 0 for a row with every logit -inf: on the native C kernel (contiguous float32 CPU logits) where
+    it is allowed and builds here, else in torch."""
+    if backend in ("auto", "native"):
+        if native_softmax.supports(logits):
+            return native_softmax.softmax_rows(logits)
+        if backend == "native":
+            raise RuntimeError("the native softmax needs contiguous float32 CPU logits and a C compiler here")
+    top = logits.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return top, logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
 
 
 def choose_slots(

@@ -1,22 +1,32 @@
-"""The cold pages a tiered turn scores but does not read, stood in for in its window rows' attention.
+"""The cold pages a tiered turn scores but does not read, stood in for in its attention.
 
 A ``digest`` turn with a key sketch scores every token of a pool of cold pages (``cold_select``)
 and reads back only the pages Stage 1's choice needs. An ``exhaustive`` turn attends over every
-cold token; a digest turn's window rows attend over what it read, so where an unread page carries
-much of a row's softmax mass, the row misses both that mass and that page's values. Measured, a
+cold token; a digest turn's tokens attend over what it read, so where an unread page carries much
+of a window row's softmax mass, the row misses both that mass and that page's values. Measured, a
 turn needs those values token by token: a page's mean value in their place blurs the one token a
-question turns to. So each page also keeps a value sketch (``tiers.cold_layer``), and the unread pool
-pages carrying the most window mass (``PoolScores.mass``) join the window rows' softmax as one more
-part, over their sketched keys and values: a few bits a channel of each, not the page.
+question turns to. So each page also keeps a value sketch (``tiers.cold_layer``), and the unread
+pool pages carrying the most window mass (``PoolScores.mass``) stand in: the turn attends over their
+sketched keys and values beside the pages it read (a few bits a channel of each, not the page),
+and they weigh in Stage 1's scores through the normaliser, but hold no slot Stage 1 may choose.
 
-Shapes: Hq query heads, Hkv KV heads, n turn rows, w window rows (the last w of n), M stand-in
-slots per KV head, d head dim.
+Shapes: Hkv KV heads, N pool pages per KV head, M stand-in slots per KV head, d head dim.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from rocketkv_mt.split_attention import Part, attend_part
+
+@dataclass
+class StandIn:
+    """The stand-in pages' slots: sketched keys and values (Hkv, M, d), and where a slot holds a cold
+    token (Hkv, M)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    alive: torch.Tensor
 
 
 def standin_pages(mass: torch.Tensor, unread: torch.Tensor, count: int) -> torch.Tensor:
@@ -31,17 +41,12 @@ def standin_pages(mass: torch.Tensor, unread: torch.Tensor, count: int) -> torch
     return torch.where(picked == n, -1, picked)
 
 
-def standin_part(q_win: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, alive: torch.Tensor, scaling: float,
-                 n: int) -> Part:
-    """The stand-in pages as one attention part over the turn's n rows: the window rows q_win (Hq, w, d)
-    over their sketched keys and values (Hkv, M, d), slots where ``alive`` (Hkv, M) holds a cold token;
-    the rows before the window see nothing here (lse -inf, out 0), their logits over the pool were
-    never computed."""
-    hq, w, d = q_win.shape
-    part = attend_part(q_win, keys, values, scaling, 0, visible=alive)
-    if n == w:
-        return part
-    out = torch.zeros(hq, n, d, dtype=part.out.dtype, device=q_win.device)
-    lse = torch.full((hq, n), float("-inf"), dtype=part.lse.dtype, device=q_win.device)
-    out[:, n - w :], lse[:, n - w :] = part.out, part.lse
-    return Part(out, lse, None, None)
+def beside(cand: tuple, standin: StandIn | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a turn attends over besides the device: the pages read back (``cand``: keys, values (Hkv, M,
+    d), positions, alive, ...) and after them the stand-in's slots: (keys, values, visible), the
+    first M slots those of ``cand``."""
+    if standin is None:
+        return cand[0], cand[1], cand[3]
+    keys, values = cand[0], cand[1]
+    return (torch.cat([keys, standin.keys.to(keys.dtype)], dim=1), torch.cat([values, standin.values.to(values.dtype)], dim=1),
+            torch.cat([cand[3], standin.alive], dim=1))

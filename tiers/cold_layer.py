@@ -164,7 +164,8 @@ class ColdLayer:
         if not (self.sketch_bits and self.values_sketched):
             return None
         hkv, n = len(self.ids), pages.shape[1]
-        at = self._rows(pages.cpu())[0]
+        pages = pages.cpu()
+        at = (torch.arange(hkv).unsqueeze(1), pages.clamp(min=0))  # a -1 page reads row 0: its slots are dead
         codes, vmin, vmax = self._vcodes.buf[at], self._vmin.buf[at], self._vmax.buf[at]
         per_page = codes[0, 0].numel() if n else 0
         nbytes = int((pages >= 0).sum()) * (per_page + 2 * self.head_dim * vmin.element_size())

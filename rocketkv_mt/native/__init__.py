@@ -3,8 +3,9 @@
 On a CPU, HSA's decode step is about forty tiny torch ops whose dispatch costs several times their
 arithmetic; ``hsa_decode.c`` does the same computation in one call, and one layer's decode step of
 every decoding session (appends, KT, HSA or dense attention) in another. ``pool_mass.c`` sums the
-window mass of a tiered turn's sketched cold tokens in one pass per row of their logits, and
-``stage1_choose.c`` makes Stage 1's choice over slots in any order (twice a layer in a tiered turn).
+window mass of a tiered turn's sketched cold tokens in one pass per row of their logits,
+``stage1_choose.c`` makes Stage 1's choice over slots in any order (twice a layer in a tiered turn),
+and ``softmax_rows.c`` takes the exponentials of a tiered turn's attention parts.
 The shared library is built for this machine (``-march=native``) into the cache directory, under a
 name that hashes the sources, the flags and the CPU, so a copy built on another machine is never
 loaded. Where no compiler is found the loader returns None and callers keep the torch paths
@@ -25,7 +26,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("hsa_decode.c", "pool_mass.c", "stage1_choose.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("hsa_decode.c", "pool_mass.c", "stage1_choose.c",
+                                                             "softmax_rows.c"))
 # Fast math at compile time only (it vectorises expf): linking with it would switch the whole process
 # to flush-to-zero on some toolchains. The kernel never relies on inf or NaN.
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-ffast-math")
@@ -88,6 +90,9 @@ def library() -> ctypes.CDLL | None:
     fn = lib.rkv_choose
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
+    fn = lib.rkv_softmax_rows
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 

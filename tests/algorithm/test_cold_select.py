@@ -299,3 +299,4 @@ def check_page_picks(group: int, seed: int, spread: float, dead_head: int | None
 def logits_floor(slots: int) -> float:
     """What shares floored at exp(FLOOR) can add to a page's mass over ``slots`` row-slot pairs."""
     return slots * math.exp(FLOOR) + 1e-12
+

@@ -77,3 +77,25 @@ def test_window_rows_first_then_the_rest_equal_one_pass(n, w):
         window = join_rows(rest, window)
     assert torch.allclose(window.out, whole.out, atol=1e-6) and torch.allclose(window.lse, whole.lse, atol=1e-5)
     assert torch.allclose(window_probs(window, window.lse), window_probs(whole, whole.lse), atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_softmax_rows_take_each_rows_exponentials_from_its_max_and_sum_them(backend):
+    """Hidden logits (-inf) give 0 and no NaN; a row with every logit hidden gets max 0 and sum 0."""
+    from rocketkv_mt import dispatch
+    from rocketkv_mt.native import softmax_rows as native
+
+    if backend == "native" and not native.supports(torch.zeros(1)):
+        pytest.skip("no C compiler: the native kernel is not built here")
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 5, 77, generator=gen) * 6
+    logits[..., ::3] = float("-inf")
+    logits[1, 2, 4] = float("-inf")
+    want = torch.softmax(logits.double(), dim=-1)
+    finite_max = torch.where(torch.isfinite(logits), logits, -1e30).amax(dim=-1, keepdim=True)
+    top, total = dispatch.softmax_rows(logits, backend=backend)
+    assert top.shape == total.shape == (2, 3, 5, 1) and torch.isfinite(logits).all()
+    assert (logits[..., ::3] == 0).all() and top[1, 2, 4, 0] == 0 and total[1, 2, 4, 0] == 0
+    seen = total.squeeze(-1) > 0
+    assert torch.equal(top[seen], finite_max[seen])  # each row's exponentials are taken from its max
+    torch.testing.assert_close((logits / total.clamp_min(1e-30)).double()[seen], want[seen], rtol=1e-5, atol=1e-7)

@@ -22,7 +22,7 @@ from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 from rocketkv_mt.cold_select import candidate_pages, page_bounds, page_picks, pages_per_head, sketch_dtype
 from rocketkv_mt.dispatch import choose_over_parts, reselect
 from rocketkv_mt.split_attention import Part, attend_part, join_rows, merge, window_probs
-from rocketkv_mt.standin import standin_pages, standin_part
+from rocketkv_mt.standin import StandIn, beside, standin_pages
 from tiers.base import batch_nbytes
 from tiers.cold_layer import ColdLayer, Sketched
 
@@ -134,22 +134,26 @@ class ReselectTiered(PrefillPolicy):
         # cold pages, which are read while the other rows attend; the pages read back are the second
         # part; one exact softmax over both.
         self._prefetch_sketch(layer + 1)
-        window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w)
-        read = partial(self._read_candidates, layer, q_win, window, scaling, total, n)
+        kernels = cache.spec.kernels
+        window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w, backend=kernels)
+        read = partial(self._read_candidates, layer, q_win, window, scaling, total)
         transfers = self.tiers.transfers
         reading = transfers.start(read) if transfers is not None and transfers.pays(n > w) else None
         device = window
         if n > w:
-            device = join_rows(attend_part(q[:, : n - w], store.keys, store.values, scaling, 0, own_tail=n), window)
+            device = join_rows(attend_part(q[:, : n - w], store.keys, store.values, scaling, 0, own_tail=n,
+                                           backend=kernels), window)
         cand, standin = transfers.wait(reading) if reading is not None else read()
         parts = [device]
-        if cand[0].shape[1]:
-            parts.append(attend_part(q, cand[0], cand[1], scaling, w, visible=cand[3]))
-        # The pages that stand in weigh in the softmax, so in Stage 1's scores, but hold no slot to choose.
-        out, lse = merge(parts + [standin] if standin is not None else parts, q.dtype)
+        keys, values, visible = beside(cand, standin)
+        if keys.shape[1]:
+            parts.append(attend_part(q, keys, values, scaling, w, visible=visible, backend=kernels))
+        out, lse = merge(parts, q.dtype)
+        # The stand-in's slots weigh in the softmax, so in Stage 1's scores, but hold no slot to choose.
         probs = torch.cat([window_probs(part, lse) for part in parts], dim=1)
+        probs = probs[:, : device.window_probs.shape[-1] + cand[0].shape[1]]
         slots, positions, scores = choose_over_parts(probs, store.positions, cand[2], cand[3], total, w,
-                                                     split.prompt_budget, split.kernel_size, backend=cache.spec.kernels)
+                                                     split.prompt_budget, split.kernel_size, backend=kernels)
         if len(parts) > 1:
             slots, cand = promoted_only(slots, store.length, cand)
         self._pending[layer] = Pending(slots, positions, scores, cand)
@@ -212,12 +216,11 @@ class ReselectTiered(PrefillPolicy):
         store.replace(new_k, new_v, positions)
         cache.selected(layer, store, scores)
 
-    def _read_candidates(self, layer: int, q_win: torch.Tensor, window: Part, scaling: float, total: int, n: int
-                         ) -> tuple[tuple, Part | None]:
+    def _read_candidates(self, layer: int, q_win: torch.Tensor, window: Part, scaling: float, total: int
+                         ) -> tuple[tuple, StandIn | None]:
         """The cold pages this turn scores, read from the tiers: keys, values (Hkv, M, d), positions,
         alive, flat cold slots (Hkv, M); and, with a sketch and ``standin``, the unread pages that carry
-        the most window mass as an attention part over the turn's n rows (``rocketkv_mt.standin``),
-        else None.
+        the most window mass (``rocketkv_mt.standin``), else None.
         ``exhaustive``: all pages with cold tokens; ``digest``: the pages whose digests rank highest, a
         budgeted number per KV head. ``window``: the window rows' attention part over the device keys
         (its normaliser bounds the final one); ``total``: the history's length with the turn. Runs on
@@ -246,12 +249,12 @@ class ReselectTiered(PrefillPolicy):
                             backend=cache.spec.kernels)
         chosen = candidate_pages(scores.ranks, pool >= 0, per_head)
         cand = cold.fetch(pages_of(pool, chosen), dev, cache.traffic)
-        return cand, self._standin(layer, q_win, pool, chosen, scores.mass, sketch, scaling, n, per_head)
+        return cand, self._standin(layer, pool, chosen, scores.mass, sketch, per_head)
 
-    def _standin(self, layer: int, q_win: torch.Tensor, pool: torch.Tensor, chosen: torch.Tensor, mass: torch.Tensor,
-                 sketch: Sketched, scaling: float, n: int, count: int) -> Part | None:
-        """The ``count`` unread pool pages per KV head with the most window mass, over their sketched keys
-        and values, as an attention part (``rocketkv_mt.standin``); None when off or not sketched."""
+    def _standin(self, layer: int, pool: torch.Tensor, chosen: torch.Tensor, mass: torch.Tensor, sketch: Sketched,
+                 count: int) -> StandIn | None:
+        """The ``count`` unread pool pages per KV head with the most window mass, their sketched keys
+        and values (``rocketkv_mt.standin``); None when off or not sketched."""
         if not self.tiers.policy.standin:
             return None
         cold, p = self.cold[layer], self.tiers.policy.page_tokens
@@ -265,7 +268,7 @@ class ReselectTiered(PrefillPolicy):
         slots = (picked.clamp(min=0).unsqueeze(-1) * p + torch.arange(p, device=picked.device)).flatten(1)
         alive = torch.gather(sketch.alive, 1, slots) & (picked >= 0).repeat_interleave(p, dim=1)
         keys = torch.gather(sketch.keys, 1, slots.unsqueeze(-1).expand(-1, -1, sketch.keys.shape[-1]))
-        return standin_part(q_win, keys, values[0], alive, scaling, n)
+        return StandIn(keys, values[0], alive)
 
     def _sketch(self, layer: int, pool: torch.Tensor, bounds_read: bool = False) -> Sketched:
         """The pool's key sketches decoded (``ColdLayer.sketched``)."""
@@ -332,13 +335,14 @@ class ReselectTiered(PrefillPolicy):
         # pool being decoded (its codes widened to table indices, its keys in float32, then rounded):
         # with the torch path's float32 shares of a chunk, at most 24 * Hkv * d bytes a pool token and
         # its masks: 6 tokens' keys and values of one layer in a 16-bit model, 3 in a 32-bit one. The
-        # stand-in (``rocketkv_mt.standin``) adds as many tokens as the pages read, their gathered keys and
-        # decoded values in float32: 2 tokens' keys and values of one layer each in a 16-bit model.
+        # stand-in (``rocketkv_mt.standin``) adds as many tokens as the pages read: their gathered keys and
+        # decoded values in float32 (2 tokens' keys and values of one layer each in a 16-bit model), then
+        # joined with the pages read into one part (a copy of both: 2 more).
         pool_pages = min(math.ceil(turn.fed / tiers.page_tokens), math.ceil(pages * tiers.sketch_pool))
         pool = (pool_pages + -pool_pages % POOL_PAGES_STEP) * tiers.page_tokens  # padded (``padded_pool``)
         sketch = turn.layer_bytes * 6 * pool if tiers.sketched else 0
         if tiers.sketched and tiers.standin:
-            sketch += turn.layer_bytes * 2 * min(turn.fed, pages * tiers.page_tokens)
+            sketch += turn.layer_bytes * 4 * min(turn.fed, pages * tiers.page_tokens)
         return (kv + turn.token_bytes * min(turn.fed, pages * tiers.page_tokens) + sketch
                 + turn.layer_bytes * 2 * (math.ceil(turn.fed / tiers.page_tokens) + turn.new))
 
