@@ -104,8 +104,9 @@ class Settings(BaseSettings):
         "every cold page is decoded for layer l+1 while layer l computes."
     )
     sketch_standin: bool = Field(
-        True, description="Tiered `digest` mode with a key sketch: the pool pages a turn scores but does not read "
-        "still weigh in its window rows' attention, through their sketched keys and each page's mean value."
+        True, description="Tiered `digest` mode with a key sketch: as many unread pool pages as a turn reads, those "
+        "carrying the most window mass, are attended over through their sketched keys and values (each cold "
+        "token also keeps a value sketch)."
     )
     cold_dtype: Literal["model", "int8"] = Field(
         "model", description="How cold pages are stored in host memory and Redis: in the model's dtype "
@@ -133,7 +134,8 @@ class Settings(BaseSettings):
     kernels: Literal["auto", "torch", "triton", "native"] = Field(
         "auto",
         description="'auto' uses Triton kernels for CUDA tensors and, on CPU, the native C kernels for HSA's "
-        "decode step, a sketch pool's window mass and Stage 1's choice over slots in any order (built on "
+        "decode step, a sketch pool's window mass, Stage 1's choice over slots in any order and a tiered "
+        "turn's attention exponentials (built on "
         "first use with the machine's C compiler; torch where none is found); 'native' requires them; "
         "'torch' uses the torch references everywhere.",
     )

@@ -81,19 +81,22 @@ async def test_turn_that_cannot_fit_is_refused_and_the_session_is_unchanged(make
 
 async def test_parked_tiered_session_comes_back_from_redis_without_reprefill(make_engine, redis_url):
     namespace = f"rkvtest-{secrets.token_hex(3)}"
-    # Whole prefills: a chunked one's bound holds every new token in every layer, and 1.5 times that
-    # would leave room for b's turn next to a compressed a, with nothing to park.
+    # Whole prefills: a chunked one's bound holds every new token in every layer at once.
     ref = make_engine(mode="tiered", prefill_chunk=0)
     text_a, text_b = message(ref, 4, words=500), message(ref, 5, words=500)
-    budget = int(1.5 * bound_of_first_turn(ref, "tiered", text_a))
+    ra = ref.create_session(budget=64)
+    await ref.complete(ra.id, text_a, PARAMS)
+    follow_up = len(ref._turn_ids(ra, "Say that again."))
+    # The largest budget that admits b's first turn only once a is parked; a's next turn (which reads
+    # its cold pages back) must then fit on its own.
+    budget = ra.cache.device_bytes() + bound_of_first_turn(ref, "tiered", text_b) - 1
+    assert ref.memory_account.turn_bound(ra, follow_up, PARAMS.max_tokens) <= budget
     engine = make_engine(
         mode="tiered", prefill_chunk=0, device_budget_bytes=budget, redis_url=redis_url, redis_namespace=namespace
     )
     a, b = engine.create_session(budget=64), engine.create_session(budget=64)
-    ra = ref.create_session(budget=64)
     try:
         await engine.complete(a.id, text_a, PARAMS)
-        await ref.complete(ra.id, text_a, PARAMS)
         await engine.complete(b.id, text_b, PARAMS)
         assert a.cache is None and engine.memory_account.parks == 1
         done = await engine.complete(a.id, "Say that again.", PARAMS)
