@@ -49,6 +49,14 @@ class _Table:
             grown[:, :have] = self.buf
             self.buf = grown
 
+    def take(self, pages: torch.Tensor) -> torch.Tensor:
+        """Each head's rows at its pages (Hkv, n) (every entry a row, >= 0): (Hkv, n, *row). One
+        ``index_select`` over the heads' rows laid end to end: a broadcast (head, page) index costs
+        5-20x more on a CPU (0.6 ms against 32 us for a 260-page pool's codes)."""
+        heads, capacity = self.buf.shape[:2]
+        flat = (torch.arange(heads).unsqueeze(1) * capacity + pages).flatten()
+        return self.buf.flatten(0, 1).index_select(0, flat).view(heads, pages.shape[1], *self.buf.shape[2:])
+
 
 @dataclass
 class Sketched:
@@ -146,9 +154,9 @@ class ColdLayer:
         count as read here."""
         hkv, n = len(self.ids), pages.shape[1]
         pages = pages.cpu()
-        at, pos, alive = self._rows(pages)
-        codes = self._codes.buf[at]
-        kmin, kmax = self._kmin.buf[at], self._kmax.buf[at]
+        rows, pos, alive = self._rows(pages)
+        codes = self._codes.take(rows)
+        kmin, kmax = self._kmin.take(rows), self._kmax.take(rows)
         # The codes and the bounds they are steps of: both read for every page scored.
         per_page = self.page_tokens * key_sketch.nbytes_per_token(self.head_dim, self.sketch_bits)
         if not bounds_read:
@@ -165,22 +173,22 @@ class ColdLayer:
             return None
         hkv, n = len(self.ids), pages.shape[1]
         pages = pages.cpu()
-        at = (torch.arange(hkv).unsqueeze(1), pages.clamp(min=0))  # a -1 page reads row 0: its slots are dead
-        codes, vmin, vmax = self._vcodes.buf[at], self._vmin.buf[at], self._vmax.buf[at]
+        rows = pages.clamp(min=0)  # a -1 page reads row 0: its slots are dead
+        codes, vmin, vmax = self._vcodes.take(rows), self._vmin.take(rows), self._vmax.take(rows)
         per_page = codes[0, 0].numel() if n else 0
         nbytes = int((pages >= 0).sum()) * (per_page + 2 * self.head_dim * vmin.element_size())
         values = key_sketch.decode(codes.to(device), vmin.to(device), vmax.to(device), self.sketch_bits)
         return values.reshape(hkv, n * self.page_tokens, self.head_dim), nbytes
 
-    def _rows(self, pages: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """For pages (Hkv, n) on the CPU: the index of their table rows (a -1 page reads row 0), and
-        their slots' positions and alive flags (Hkv, n * P), -1 and dead for a -1 page."""
+    def _rows(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For pages (Hkv, n) on the CPU: their table rows (Hkv, n) (a -1 page reads row 0), and their
+        slots' positions and alive flags (Hkv, n * P), -1 and dead for a -1 page."""
         hkv = len(self.ids)
         cell = (pages >= 0).unsqueeze(-1)
-        at = (torch.arange(hkv).unsqueeze(1), pages.clamp(min=0))
-        pos = torch.where(cell, self._pos.buf[at], -1)
-        alive = self._alive.buf[at] & cell
-        return at, pos.view(hkv, -1), alive.view(hkv, -1)
+        rows = pages.clamp(min=0)
+        pos = torch.where(cell, self._pos.take(rows), -1)
+        alive = self._alive.take(rows) & cell
+        return rows, pos.view(hkv, -1), alive.view(hkv, -1)
 
     def _slots_of(self, head: int, positions: torch.Tensor) -> torch.Tensor:
         """Flat slot of each position (-1 where this head never made it cold)."""
@@ -330,8 +338,8 @@ class ColdLayer:
             full_k, full_v = k.new_zeros(hkv * n, p, d), v.new_zeros(hkv * n, p, d)
             full_k[where], full_v[where] = k, v
             k, v = full_k, full_v
-        at, pos, alive = self._rows(pages)
-        slots = torch.where(valid.unsqueeze(-1), at[1].unsqueeze(-1) * p + torch.arange(p), -1)
+        rows, pos, alive = self._rows(pages)
+        slots = torch.where(valid.unsqueeze(-1), rows.unsqueeze(-1) * p + torch.arange(p), -1)
         # Pages come head by head, so (Hkv * n, P, d) is (Hkv, n * P, d) already.
         return (k.reshape(hkv, n * p, d), v.reshape(hkv, n * p, d), pos.to(device), alive.to(device),
                 slots.view(hkv, -1).to(device))

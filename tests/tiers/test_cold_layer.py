@@ -7,7 +7,7 @@ import torch
 
 from tiers.base import Traffic
 from tiers.codec import Int8Codec, RawCodec
-from tiers.cold_layer import DIGEST_DTYPE, ColdLayer
+from tiers.cold_layer import DIGEST_DTYPE, ColdLayer, _Table
 from tiers.host import HostTier
 from tiers.redis_tier import decode_tensors, encode_tensors
 
@@ -314,3 +314,15 @@ def test_a_sketched_page_keeps_a_value_sketch_and_a_restore_keeps_it():
     assert not older.values_sketched and older.sketched_values(torch.device("cpu"), every) is None
     assert not any(k.startswith("v") for k in older.index_tensors())
     assert new_layer(host).sketched_values(torch.device("cpu"), every) is None  # no sketch at all
+
+
+def test_table_take_gives_each_head_its_own_rows():
+    table = _Table(HKV, (P, 4), torch.uint8)
+    table.ensure(40)
+    table.buf.copy_(torch.randint(0, 256, table.buf.shape, dtype=torch.uint8))
+    pages = torch.tensor([[0, 5, 5, 39], [7, 0, 1, 2], [39, 38, 0, 0]])
+    taken = table.take(pages)
+    assert taken.shape == (HKV, 4, P, 4)
+    for h in range(HKV):
+        for j, page in enumerate(pages[h].tolist()):
+            assert torch.equal(taken[h, j], table.buf[h, page])
