@@ -16,8 +16,14 @@
 #include <stdint.h>
 
 /* Logits are finite or -inf (hidden). The library is compiled with fast math, which may assume no
- * infinities, so -inf is only ever compared against a finite threshold, and never passed to expf. */
+ * infinities, so -inf is only ever compared against a finite threshold. The vectorised expf computes
+ * every lane before the select, and one lane far below its fast range (-inf, or a logit 87 below
+ * the max) sends the whole vector down a slow path: a tenth of 3 x 3 x 26 x 1216 logits hidden took
+ * 0.78 ms against 0.24 ms with none. So every argument is clamped at -80 first (a select on the
+ * hidden flag alone would not do: the compiler drops it, its value being unused where the flag is
+ * set); exp(-80) is 1.8e-35, below a float's resolution of a row's sum, which is at least 1. */
 #define HIDDEN (-1e30f)
+#define FLOOR (-80.f)
 
 void rkv_softmax_rows(float *x, int64_t rows, int64_t n, float *top, float *sum) {
     for (int64_t r = 0; r < rows; r++) {
@@ -28,7 +34,7 @@ void rkv_softmax_rows(float *x, int64_t rows, int64_t n, float *top, float *sum)
         float s = 0.f;
         for (int64_t j = 0; j < n; j++) {
             const float v = row[j];
-            const float e = v < HIDDEN ? 0.f : expf(v - m);
+            const float e = v < HIDDEN ? 0.f : expf(fmaxf(v - m, FLOOR));
             row[j] = e;
             s += e;
         }
