@@ -7,7 +7,8 @@
  * the compiler's vectorised expf.
  *
  * Shapes: rows x n float32, rows contiguous (row r at x + r * n).
- *   x    overwritten: exp(x - top) (0 where x is -inf)
+ *   x    overwritten: exp(max(x - top, FLOOR)) (0 where x is -inf; the torch path's exp(x - top)
+ *        differs only where that is below exp(FLOOR), 1.8e-35)
  *   top  (rows) each row's max over its finite logits; 0 for a row with none (so exp(-inf - 0) = 0)
  *   sum  (rows) each row's sum of exp(x - top)
  */
