@@ -108,6 +108,11 @@ class Settings(BaseSettings):
         "carrying the most window mass, are attended over through their sketched keys and values (each cold "
         "token also keeps a value sketch)."
     )
+    digest_read_whole: float = Field(
+        3.0, ge=0, le=1024, description="Tiered `digest` mode: a layer whose cold pages are at most this many times "
+        "those a turn reads (`digest_candidates`) is read whole, as `exhaustive` reads it, and its selection applied "
+        "at once (0: never): ranking so few pages costs more than it saves, and the turn's device bound is smaller."
+    )
     cold_dtype: Literal["model", "int8"] = Field(
         "model", description="How cold pages are stored in host memory and Redis: in the model's dtype "
         "(bit-exact) or int8 with per-channel key and per-token value scales (about half the bytes of bf16)."
@@ -122,7 +127,14 @@ class Settings(BaseSettings):
         ge=0,
         description="Device memory for session KV caches per replica (0: unlimited). A turn is admitted only "
         "if it fits with what the other sessions hold, after parking least recently used idle sessions "
-        "off the device; otherwise it is refused with `device_memory_exhausted`.",
+        "off the device; while turns in flight hold the room it needs it waits for them (`admission_wait_s`); "
+        "otherwise it is refused with `device_memory_exhausted`.",
+    )
+    admission_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a turn waits, in arrival order, for turns in flight to release the device memory "
+        "it needs before it is refused with `device_memory_exhausted` (0: refuse at once).",
     )
     prefill_chunk: int = Field(
         512,

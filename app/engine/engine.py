@@ -12,7 +12,8 @@ All model work runs on one model thread (``Batcher``): the decode steps of every
 at the same time are one batched forward, and a new turn's prefill joins that forward. Device
 memory is accounted per engine (``DeviceMemory``): a turn is admitted only if its bound fits in
 ``device_budget_bytes`` with what the other sessions hold, after parking idle sessions if needed;
-otherwise it is refused with ``device_memory_exhausted`` and the session is unchanged.
+while turns in flight hold the room it needs it waits for them (``AdmissionQueue``), and otherwise
+it is refused with ``device_memory_exhausted`` and the session is unchanged.
 
 The jobs live in their own modules, as mixins of this class: running a turn
 (``app.engine.turns``) and keeping caches on the device within the budget
@@ -28,6 +29,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from app.contract.ids import new_session_id
+from app.engine.admission import AdmissionQueue
 from app.engine.batcher import Batcher
 from app.engine.chat_format import ChatFormat
 from app.engine.errors import InvalidRequest, SessionBusy, SessionNotFound, UnknownMode
@@ -77,10 +79,12 @@ class Engine(TurnLoop, DeviceResidency):
             sketch_bits=settings.sketch_bits,
             sketch_pool=settings.sketch_pool,
             standin=settings.sketch_standin,
+            read_whole=settings.digest_read_whole,
             codec=make_codec("int8" if settings.cold_dtype == "int8" else "raw"),
         )
         self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec, self.tier_policy)
         self.parking = True  # make room for a turn by parking idle sessions (else refuse it)
+        self.admissions = AdmissionQueue()
         # One model thread: the model steps of all sessions run there, batched (app/engine/batcher.py).
         self.batcher = Batcher(
             self.runner, on_step=self._after_step, prefill_chunk=settings.prefill_chunk, threads=settings.threads

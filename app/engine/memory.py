@@ -49,19 +49,21 @@ class DeviceMemory:
         ``session.token_ids``) and generates up to ``max_new``, its prefill split into chunks of
         ``prefill_chunk`` tokens (0: never split)."""
         cache = session.cache
+        cold_pages = None  # not known: the mode's bound assumes the most pages the history could fill
         if cache is not None:
-            fed, kept = cache.history_len, cache.kept_tokens()
+            fed, kept, cold_pages = cache.history_len, cache.kept_tokens(), cache.cold_pages()
         elif session.parked_kv is not None:  # restored from its record at the turn's start
             fed = int(session.parked_kv.get("history_len", 0))
             kept = session.turns[-1].kept_tokens if session.turns else fed
         else:  # rebuilt from the token ids: the whole history is prefilled
-            fed, kept = 0, 0
+            fed, kept, cold_pages = 0, 0, 0
         n = len(session.token_ids) + n_new - fed  # tokens this turn's prefill feeds
         total = fed + n + max_new
         m = max(0, min(max_new, total - 1))
         return TurnSize(
             fed=fed, kept=kept, new=n, total=total, decode=m, split=session.rocket.split(total, m, self.head_dim),
             token_bytes=self.per_token, layer_bytes=self.per_layer_token, chunked=0 < prefill_chunk < n,
+            cold_pages=cold_pages,
         )
 
     def turn_bound(self, session: "Session", n_new: int, max_new: int, prefill_chunk: int = 0) -> int:

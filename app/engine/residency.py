@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from app.engine.admission import AdmissionQueue
 from app.engine.batcher import Batcher
 from app.engine.errors import DeviceMemoryExhausted
 from app.engine.memory import DeviceMemory
@@ -28,12 +29,40 @@ class DeviceResidency:
     _sessions: dict[str, Session]
     memory_account: DeviceMemory
     batcher: Batcher
+    admissions: AdmissionQueue  # turns waiting for the device memory that turns in flight hold
     redis: RedisTier | None
     parking: bool  # make room for a turn by parking idle sessions (else refuse it)
     new_cache: Callable[[str, RocketKVConfig, str], SessionCache]
 
+    async def _admit_in_turn(self, session: Session, n_new: int, max_new: int) -> None:
+        """Reserve device memory for a turn, parking idle sessions if needed; while the turns in flight
+        hold what it needs, wait for them (in arrival order, up to ``admission_wait_s``); else refuse."""
+        shortfall: list[str] = []
+
+        def try_admit() -> bool:
+            shortfall[:] = [] if (message := self._reserve(session, n_new, max_new)) is None else [message]
+            return not shortfall
+
+        def may_fit_later() -> bool:
+            # Another turn in flight will release its reservation; a turn larger than the budget never fits.
+            mem = self.memory_account
+            return (self.parking and any(sid != session.id for sid in mem.reserved)
+                    and mem.turn_bound(session, n_new, max_new) <= mem.budget)
+
+        if not await self.admissions.admit(try_admit, may_fit_later, self.settings.admission_wait_s):
+            self.memory_account.refusals += 1
+            raise DeviceMemoryExhausted(shortfall[0])
+
     def _admit(self, session: Session, n_new: int, max_new: int) -> None:
-        """Reserve device memory for a turn, parking idle sessions if needed, or refuse it."""
+        """Reserve device memory for a turn now, parking idle sessions if needed, or refuse it."""
+        message = self._reserve(session, n_new, max_new)
+        if message is not None:
+            self.memory_account.refusals += 1
+            raise DeviceMemoryExhausted(message)
+
+    def _reserve(self, session: Session, n_new: int, max_new: int) -> str | None:
+        """Reserve device memory for a turn, parking idle sessions if needed; None when reserved, else
+        why it does not fit (nothing changed)."""
         mem = self.memory_account
         need = mem.turn_bound(session, n_new, max_new)
         # What a chunked prefill holds beyond that until its last chunk (only the largest is committed:
@@ -56,14 +85,14 @@ class DeviceResidency:
                     freed += mem.held.get(victim.id, 0)
                 committed -= freed
             if committed + need > mem.budget:
-                mem.refusals += 1
-                raise DeviceMemoryExhausted(
+                return (
                     f"this turn needs up to {need} bytes of device memory and {committed} of the replica's "
                     f"{mem.budget} are held by sessions that cannot be parked now; retry later or send less"
                 )
             for victim in victims:
                 self._park(victim)
         mem.reserved[session.id], mem.chunking[session.id] = need, extra
+        return None
 
     def _park(self, session: Session) -> None:
         """Take an idle session's cache off the device; its next turn restores it (or re-prefills)."""

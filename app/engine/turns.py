@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+from app.engine.admission import AdmissionQueue
 from app.engine.batcher import Batcher
 from app.engine.chat_format import ChatFormat
 from app.engine.detokenizer import Detokenizer
@@ -53,6 +54,8 @@ class TurnLoop:
     get_session: Callable[[str], Session]
     memory: Callable[[Session], MemoryStats]
     _admit: Callable[[Session, int, int], None]
+    _admit_in_turn: Callable[[Session, int, int], Awaitable[None]]
+    admissions: AdmissionQueue
     _materialize: Callable[[Session], None]
     _rebuild_cache: Callable[[Session], SessionCache]
     _release_quietly: Callable[[Session, SessionCache], None]
@@ -96,8 +99,12 @@ class TurnLoop:
         new_ids = self._validate(session, content, params)
         prompt_tokens = len(session.token_ids) + len(new_ids)
         max_new = min(params.max_tokens or self.settings.max_new_tokens, self.max_context - prompt_tokens)
-        self._admit(session, len(new_ids), max_new)
-        session.busy = True
+        session.busy = True  # no other turn of this session while this one waits for device memory
+        try:
+            await self._admit_in_turn(session, len(new_ids), max_new)
+        except BaseException:
+            session.busy = False
+            raise
         session.cancel_requested = False
         return self._run_turn(session, content, new_ids, params, max_new)
 
@@ -172,7 +179,8 @@ class TurnLoop:
                     session.feeds[-1].decodes += 1
                     # A chunked prefill's layers have all selected by the first decode step: compressed,
                     # the session is back within its bound.
-                    self.memory_account.chunking.pop(session.id, None)
+                    if self.memory_account.chunking.pop(session.id, 0):
+                        self.admissions.changed()
             if not session.feeds[-1].decodes:
                 # The reply ended at its first token: what the prefill left to settle (a deferred
                 # selection, tiered's re-selection) runs on the model thread, which alone touches the
@@ -227,6 +235,7 @@ class TurnLoop:
             self.memory_account.set_held(session.id, session.cache.device_bytes())
         self.memory_account.reserved.pop(session.id, None)
         self.memory_account.chunking.pop(session.id, None)
+        self.admissions.changed()
         session.busy = False
         session.cancel_requested = False
 
@@ -255,6 +264,7 @@ class TurnLoop:
             self.memory_account.set_held(session.id, stats.device_bytes)
         self.memory_account.reserved.pop(session.id, None)
         self.memory_account.chunking.pop(session.id, None)
+        self.admissions.changed()
         session.turns.append(stats)
         session.busy = False
         session.cancel_requested = False

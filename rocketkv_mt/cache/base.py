@@ -144,3 +144,7 @@ class SessionCache(Protocol):
     def cold_tokens(self) -> int:
         """Tokens per KV head of the first layer held in the cold tiers."""
         ...
+
+    def cold_pages(self) -> int:
+        """The most cold pages holding a cold token that one KV head has in one layer (0: none)."""
+        ...

@@ -204,6 +204,9 @@ class ComposedCache:
     def cold_tokens(self) -> int:
         return self.prefill.cold_tokens()
 
+    def cold_pages(self) -> int:
+        return self.prefill.cold_pages()
+
     def device_bytes(self) -> int:
         """KV of the layer stores plus what each policy holds (a selection, KT pages, pages read back)."""
         return sum(layer.nbytes() for layer in self.layers) + self.prefill.nbytes() + self.decode.nbytes()

@@ -29,7 +29,9 @@ class TurnSize:
     new: tokens the turn's prefill feeds; total: fed + new + max new tokens; decode: the decode
     tokens the split reserves room for; split: the turn's sizes. token_bytes / layer_bytes: keys and
     values of one token over all layers / in one layer. chunked: the prefill is fed in chunks, so
-    its new tokens sit in every layer until the last chunk (``SessionCache.undo_chunks``)."""
+    its new tokens sit in every layer until the last chunk (``SessionCache.undo_chunks``).
+    cold_pages: the most live cold pages a KV head has in a layer (``SessionCache.cold_pages``), None
+    when not known before the turn (a cache restored at its start)."""
 
     fed: int
     kept: int
@@ -40,6 +42,7 @@ class TurnSize:
     token_bytes: int
     layer_bytes: int
     chunked: bool = False
+    cold_pages: int | None = None
 
     @property
     def kept_after(self) -> int:
@@ -181,4 +184,8 @@ class PrefillPolicy(Protocol):
 
     def cold_tokens(self) -> int:
         """Tokens per KV head of the first layer held in the cold tiers."""
+        return 0
+
+    def cold_pages(self) -> int:
+        """The most live cold pages one KV head has in one layer."""
         return 0

@@ -28,7 +28,9 @@ class TierPolicy:
     by which a turn runs Stage 1 over the sketched tokens of a pool of pages (``sketch_pool`` times
     the candidates, those whose bounds rank highest) before reading a page. standin: with a sketch, the
     pool pages a turn does not read join its window rows' attention through their sketched keys and
-    mean values (``rocketkv_mt.standin``). codec: how pages are stored."""
+    mean values (``rocketkv_mt.standin``). read_whole: a ``digest`` layer whose live cold pages are at
+    most this many times the candidates is read whole, as ``exhaustive`` reads it (0: never). codec:
+    how pages are stored."""
 
     page_tokens: int = 32
     prefill_attention: Literal["dense", "selected"] = "dense"
@@ -38,6 +40,7 @@ class TierPolicy:
     sketch_bits: int = 4
     sketch_pool: float = 9.0
     standin: bool = True
+    read_whole: float = 3.0
     codec: PageCodec = field(default_factory=RawCodec)
 
     @property

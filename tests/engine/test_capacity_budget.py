@@ -1,5 +1,6 @@
 """Device-memory budget per replica: turns are admitted within it, idle sessions are parked off the
 device to make room (and come back with the same replies), turns that cannot fit are refused."""
+import asyncio
 import copy
 import secrets
 
@@ -76,6 +77,43 @@ async def test_turn_that_cannot_fit_is_refused_and_the_session_is_unchanged(make
     done = await engine.complete(second.id, message(engine, 3), PARAMS)
     assert done.usage.generated_tokens > 0 and first.cache is None
     assert engine.memory_account.refusals == 2
+    assert_within_budget(engine)
+
+
+@pytest.mark.parametrize("wait_s", [60.0, 0.0])
+async def test_a_turn_waits_for_the_room_a_turn_in_flight_holds(make_engine, wait_s):
+    probe = make_engine(mode="full")
+    text = message(probe, 1)
+    bound = bound_of_first_turn(probe, "full", text)
+    engine = make_engine(mode="full", device_budget_bytes=int(1.5 * bound), admission_wait_s=wait_s)
+    first, second = engine.create_session(), engine.create_session()
+    await engine.complete(first.id, text, PARAMS)
+    ended = []
+
+    async def go_on():
+        async for _ in await engine.chat(first.id, "Go on.", SamplingParams(max_tokens=24)):
+            pass
+        ended.append("first")
+
+    in_flight = asyncio.create_task(go_on())
+    await asyncio.sleep(0)  # the first session's turn is admitted and holds its reservation
+    assert first.busy
+    before = (copy.deepcopy(second.messages), list(second.token_ids))
+    if wait_s == 0:
+        # Refused at once, as it always was: nothing changed.
+        with pytest.raises(DeviceMemoryExhausted):
+            await engine.chat(second.id, message(engine, 3), PARAMS)
+        assert (second.messages, second.token_ids, second.busy) == (*before, False)
+        await in_flight
+        assert engine.memory_account.refusals == 1
+        return
+    # It does not fit beside the turn in flight (which cannot be parked): it waits, then parks the
+    # first session, now idle, and runs.
+    done = await engine.complete(second.id, message(engine, 3), PARAMS)
+    ended.append("second")
+    await in_flight
+    assert ended == ["first", "second"] and done.usage.generated_tokens > 0
+    assert first.cache is None and engine.memory_account.parks == 1 and engine.memory_account.refusals == 0
     assert_within_budget(engine)
 
 

@@ -12,11 +12,12 @@ from rocketkv_mt.config import RocketKVConfig
 
 TIER_POLICIES = {
     "digest": TierPolicy(page_tokens=8, reselect="digest", candidates=0.5),
-    "bounds": TierPolicy(page_tokens=8, reselect="digest", page_grouping="keys", sketch_bits=0),
+    "ranked": TierPolicy(page_tokens=8, reselect="digest", candidates=0.5, read_whole=0),  # never read whole
+    "bounds": TierPolicy(page_tokens=8, reselect="digest", page_grouping="keys", sketch_bits=0, read_whole=0),
     "exhaustive": TierPolicy(page_tokens=8, reselect="exhaustive"),
     "selected": TierPolicy(page_tokens=8, prefill_attention="selected"),
     "wide-digest": TierPolicy(page_tokens=4, reselect="digest", candidates=4.0),
-    "sketch": TierPolicy(page_tokens=8, reselect="digest", page_grouping="position", sketch_bits=2),
+    "sketch": TierPolicy(page_tokens=8, reselect="digest", page_grouping="position", sketch_bits=2, read_whole=0),
 }
 # (new tokens, max new tokens) per turn: a long first turn, short and long follow-ups, a reply longer
 # than its prompt.

@@ -59,7 +59,7 @@ async def test_a_sketch_decoded_ahead_on_the_page_reader_gives_the_same_turns(ma
     # A pool that holds every cold page lets the page reader decode layer l+1's sketch while layer l
     # computes; the turns must be those of the same session decoding each layer's sketch inline.
     engine = make_engine(mode="tiered", token_budget=128, page_tokens=32, page_grouping="position", sketch_bits=4,
-                         sketch_pool=64)
+                         sketch_pool=64, digest_read_whole=0)
     started = []
     start = engine.transfers.start
     monkeypatch.setattr(engine.transfers, "start", lambda fn: started.append(fn) or start(fn))
@@ -72,6 +72,22 @@ async def test_a_sketch_decoded_ahead_on_the_page_reader_gives_the_same_turns(ma
     assert inline.token_ids == ahead.token_ids
     assert [d.memory.digest_bytes_read for d in a] == [d.memory.digest_bytes_read for d in b]
     assert a[-1].memory.readmitted_tokens > 0
+
+
+async def test_a_small_cold_set_is_read_whole_as_exhaustive_reads_it(make_engine):
+    # ~700 tokens at budget 128: in the second turn every layer's cold pages are within 3 times those a
+    # digest turn reads, so it reads them all and applies its selection at once, as exhaustive does.
+    turns = {}
+    for name, settings in {"whole": {}, "exhaustive": {"reselect": "exhaustive"}, "ranked": {"digest_read_whole": 0}}.items():
+        engine = make_engine(mode="tiered", token_budget=128, **settings)
+        session = engine.create_session()
+        turns[name] = (session, await converse(engine, session, [FIRST, LATER[0]]))
+    (whole, a), (exhaustive, b), (ranked, c) = turns.values()
+    assert whole.token_ids == exhaustive.token_ids
+    assert [d.memory.cold_bytes_read for d in a] == [d.memory.cold_bytes_read for d in b]
+    assert a[-1].memory.cold_bytes_read > 0 and all(d.memory.digest_bytes_read == 0 for d in a)
+    # Ranked instead, the same cold sets cost sketch reads and fewer page reads.
+    assert c[-1].memory.digest_bytes_read > 0 and c[-1].memory.cold_bytes_read < a[-1].memory.cold_bytes_read
 
 
 async def test_budget_above_history_gives_full_tokens(make_engine):
@@ -171,10 +187,11 @@ async def test_a_failed_turn_frees_its_host_chunks_and_the_session_goes_on(make_
         await engine.complete(session.id, FIRST, PARAMS)
         assert engine.host_tier.session_bytes(session.id) > 0
 
-        def failing(layer, q, scaling):
+        def failing(layer, *args):
             raise RuntimeError("injected decode failure")
 
-        session.cache.decode_attention = failing
+        # A decode step alone or batched with others: either way it fails.
+        session.cache.decode_attention = session.cache.decode_target = failing
         with pytest.raises(RuntimeError, match="injected"):
             await engine.complete(session.id, LATER[0], PARAMS)
         # The dropped cache's cold chunks are freed at once, not left until the session is deleted.

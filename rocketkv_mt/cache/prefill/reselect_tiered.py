@@ -66,6 +66,17 @@ def promoted_only(slots: torch.Tensor, device_slots: int, cand: tuple) -> tuple[
 POOL_PAGES_STEP = 16
 
 
+def reads_whole(tiers: TierPolicy, cold_pages: int, prompt_budget: int) -> bool:
+    """Whether a layer with ``cold_pages`` live cold pages (the most of any KV head) is read whole, as
+    ``exhaustive`` reads it, and settled at once: a cold set of at most ``read_whole`` times the pages a
+    ``digest`` turn reads costs less to read than to rank, and a layer settled at once holds its pages
+    only while it computes, where a deferred one holds its promotions until the first decode step (a
+    short turn's bound is then about half as large)."""
+    if tiers.reselect == "exhaustive":
+        return True
+    return cold_pages <= tiers.read_whole * pages_per_head(tiers.candidates, prompt_budget, tiers.page_tokens)
+
+
 def pages_of(pool: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     """The cold pages (Hkv, k) that ``picked`` (Hkv, k), columns of ``pool`` (Hkv, n), name; -1 stays -1."""
     return torch.where(picked >= 0, torch.gather(pool, 1, picked.clamp(min=0)), -1)
@@ -135,8 +146,9 @@ class ReselectTiered(PrefillPolicy):
         # part; one exact softmax over both.
         self._prefetch_sketch(layer + 1)
         kernels = cache.spec.kernels
+        whole = self._reads_whole(layer)
         window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w, backend=kernels)
-        read = partial(self._read_candidates, layer, q_win, window, scaling, total)
+        read = partial(self._read_candidates, layer, q_win, window, scaling, total, whole)
         transfers = self.tiers.transfers
         reading = transfers.start(read) if transfers is not None and transfers.pays(n > w) else None
         device = window
@@ -159,8 +171,8 @@ class ReselectTiered(PrefillPolicy):
         self._pending[layer] = Pending(slots, positions, scores, cand)
         # The first token needs only this attention and the choice; applying it (promote, demote, KT)
         # waits for the layer's first decode step, holding meanwhile only the tokens it promotes.
-        # Exhaustive reads every page into one layer at a time, so that rule applies it at once.
-        if policy.prefill_attention == "selected" or policy.reselect == "exhaustive":
+        # A layer read whole holds every cold page one layer at a time, so it applies it at once.
+        if policy.prefill_attention == "selected" or whole:
             self._settle(layer)
         return self._selected_attention(layer, q, scaling) if policy.prefill_attention == "selected" else out
 
@@ -216,18 +228,21 @@ class ReselectTiered(PrefillPolicy):
         store.replace(new_k, new_v, positions)
         cache.selected(layer, store, scores)
 
-    def _read_candidates(self, layer: int, q_win: torch.Tensor, window: Part, scaling: float, total: int
-                         ) -> tuple[tuple, StandIn | None]:
+    def _reads_whole(self, layer: int) -> bool:
+        return reads_whole(self.tiers.policy, self.cold[layer].live_pages().shape[1], self.cache.split.prompt_budget)
+
+    def _read_candidates(self, layer: int, q_win: torch.Tensor, window: Part, scaling: float, total: int,
+                         whole: bool) -> tuple[tuple, StandIn | None]:
         """The cold pages this turn scores, read from the tiers: keys, values (Hkv, M, d), positions,
         alive, flat cold slots (Hkv, M); and, with a sketch and ``standin``, the unread pages that carry
         the most window mass (``rocketkv_mt.standin``), else None.
-        ``exhaustive``: all pages with cold tokens; ``digest``: the pages whose digests rank highest, a
-        budgeted number per KV head. ``window``: the window rows' attention part over the device keys
+        ``whole`` (``reads_whole``): all pages with cold tokens; else the pages whose digests rank
+        highest, a budgeted number per KV head. ``window``: the window rows' attention part over the device keys
         (its normaliser bounds the final one); ``total``: the history's length with the turn. Runs on
         the page reader's thread while the model thread attends with the other rows."""
         cache, policy = self.cache, self.tiers.policy
         cold, dev, split = self.cold[layer], cache.spec.device, cache.split
-        if policy.reselect == "exhaustive":
+        if whole:
             return cold.fetch(cold.live_pages(), dev, cache.traffic), None
         per_head = pages_per_head(policy.candidates, split.prompt_budget, policy.page_tokens)
         pool, sketch = self._take_sketch(layer) if cold.sketch_bits else (None, None)
@@ -290,8 +305,8 @@ class ReselectTiered(PrefillPolicy):
         """Start decoding the next layer's whole pool on the page reader's thread, beside this layer's
         attention (the two cores of a CPU, or the side stream of a GPU)."""
         policy, transfers = self.tiers.policy, self.tiers.transfers
-        if (transfers is None or not policy.sketched or policy.reselect == "exhaustive" or layer >= len(self.cold)
-                or not self.cold[layer].has_pages()):
+        if (transfers is None or not policy.sketched or layer >= len(self.cold) or not self.cold[layer].has_pages()
+                or self._reads_whole(layer)):
             return
         pool = self._whole_pool(layer)
         if pool is not None:
@@ -324,11 +339,15 @@ class ReselectTiered(PrefillPolicy):
     @staticmethod
     def bound(turn: TurnSize, tiers: TierPolicy) -> int:
         """The primary set as ``EvictOnce`` bounds it, plus what a turn reads back: every cold page of
-        one layer (keys and values) at a time when ``exhaustive``; else the pages of every layer, held
-        until its first decode step settles the selection, plus one layer's digests and scratch."""
+        one layer (keys and values) at a time when every layer is read whole (``reads_whole``); else
+        the pages of every layer, held until its first decode step settles the selection, plus one
+        layer's digests and scratch."""
         kv = turn.token_bytes * turn.kept_after + turn.uncompressed_bytes
-        if tiers.reselect == "exhaustive":
+        if tiers.reselect == "exhaustive" and turn.cold_pages is None:
             return kv + turn.layer_bytes * 2 * (turn.fed + turn.new)
+        if turn.cold_pages is not None and reads_whole(tiers, turn.cold_pages, turn.split.prompt_budget):
+            # One layer's device keys and the pages it read, joined, and that layer's selection of them.
+            return kv + turn.layer_bytes * 2 * (turn.kept + turn.cold_pages * tiers.page_tokens + turn.new)
         pages = pages_per_head(tiers.candidates, turn.split.prompt_budget, tiers.page_tokens)
         # A sketch's scratch: the pool's estimated keys (float32 at most), the logits of up to 2d window
         # rows at a time over them (``page_picks``; bfloat16 where the keys are) and the next layer's
@@ -352,6 +371,9 @@ class ReselectTiered(PrefillPolicy):
 
     def cold_tokens(self) -> int:
         return self.cold[0].alive_count()
+
+    def cold_pages(self) -> int:
+        return max(cold.live_pages().shape[1] for cold in self.cold)
 
     def cold_bytes(self) -> dict[str, int]:
         host, sid = self.tiers.host, self.tiers.session_id
