@@ -138,6 +138,16 @@ class ColdLayer:
         """The pages holding at least one cold token."""
         return padded_indices(self._alive.buf[:, : self._pages].any(dim=-1))
 
+    def live_page_count(self, at_most: int | None = None) -> int:
+        """How many pages holding a cold token the KV head with the most has (``live_pages``' width).
+        Only whether it is within ``at_most`` may be asked: then a layer with no more pages in all
+        says so without a look at its tokens."""
+        if not self.has_pages():
+            return 0
+        if at_most is not None and self._pages <= at_most:
+            return self._pages
+        return int(self._alive.buf[:, : self._pages].any(dim=-1).sum(dim=1).max())
+
     def digests(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """(kmin, kmax) (Hkv, N, d), ``live`` (Hkv, N) and the bytes read.
 

@@ -326,3 +326,19 @@ def test_table_take_gives_each_head_its_own_rows():
     for h in range(HKV):
         for j, page in enumerate(pages[h].tolist()):
             assert torch.equal(taken[h, j], table.buf[h, page])
+
+
+def test_live_page_count_is_the_width_of_live_pages_as_pages_empty():
+    keys, values, positions = make_store(3)
+    layer = new_layer(HostTier(1 << 20, pin=False))
+    assert layer.live_page_count() == 0
+    layer.demote(keys, values, positions, make_mask([40, 20, 5], seed=4))  # 3, 2 and 1 pages
+    assert layer.live_page_count() == layer.live_pages().shape[1] == 3
+    # Promote every cold token of head 0's first two pages: those pages hold none, yet still exist.
+    _, (_, _, _, alive, slots), _ = fetch_all(layer)
+    promoted = torch.full_like(slots, -1)
+    promoted[0, : 2 * P] = torch.where(alive[0, : 2 * P], slots[0, : 2 * P], -1)
+    layer.promote(promoted)
+    assert layer.live_pages().shape[1] == layer.live_page_count() == 2  # head 1's two pages
+    assert layer.live_page_count(at_most=3) == 3  # within 3 either way: told without counting
+    assert layer.live_page_count(at_most=2) == 2

@@ -66,6 +66,11 @@ def promoted_only(slots: torch.Tensor, device_slots: int, cand: tuple) -> tuple[
 POOL_PAGES_STEP = 16
 
 
+def whole_limit(tiers: TierPolicy, prompt_budget: int) -> int:
+    """The most live cold pages (of any KV head) a layer may have to be read whole (``reads_whole``)."""
+    return int(tiers.read_whole * pages_per_head(tiers.candidates, prompt_budget, tiers.page_tokens))
+
+
 def reads_whole(tiers: TierPolicy, cold_pages: int, prompt_budget: int) -> bool:
     """Whether a layer with ``cold_pages`` live cold pages (the most of any KV head) is read whole, as
     ``exhaustive`` reads it, and settled at once: a cold set of at most ``read_whole`` times the pages a
@@ -74,7 +79,7 @@ def reads_whole(tiers: TierPolicy, cold_pages: int, prompt_budget: int) -> bool:
     short turn's bound is then about half as large)."""
     if tiers.reselect == "exhaustive":
         return True
-    return cold_pages <= tiers.read_whole * pages_per_head(tiers.candidates, prompt_budget, tiers.page_tokens)
+    return cold_pages <= whole_limit(tiers, prompt_budget)
 
 
 def pages_of(pool: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
@@ -229,7 +234,11 @@ class ReselectTiered(PrefillPolicy):
         cache.selected(layer, store, scores)
 
     def _reads_whole(self, layer: int) -> bool:
-        return reads_whole(self.tiers.policy, self.cold[layer].live_pages().shape[1], self.cache.split.prompt_budget)
+        policy, budget = self.tiers.policy, self.cache.split.prompt_budget
+        if policy.reselect == "exhaustive":
+            return True
+        limit = whole_limit(policy, budget)
+        return reads_whole(policy, self.cold[layer].live_page_count(at_most=limit), budget)
 
     def _read_candidates(self, layer: int, q_win: torch.Tensor, window: Part, scaling: float, total: int,
                          whole: bool) -> tuple[tuple, StandIn | None]:
@@ -373,7 +382,7 @@ class ReselectTiered(PrefillPolicy):
         return self.cold[0].alive_count()
 
     def cold_pages(self) -> int:
-        return max(cold.live_pages().shape[1] for cold in self.cold)
+        return max(cold.live_page_count() for cold in self.cold)
 
     def cold_bytes(self) -> dict[str, int]:
         host, sid = self.tiers.host, self.tiers.session_id
