@@ -85,6 +85,25 @@ def row_chunks(rows: int, d: int) -> tuple[int, int]:
     return per, math.ceil(rows / per) * per
 
 
+def _scaled_rows(q_win: torch.Tensor, hkv: int, dtype: torch.dtype, scaling: float) -> tuple[torch.Tensor, int, int]:
+    """The window rows grouped by KV head, scaled and padded for the pool's products: (q (Hkv, rows
+    padded, d) in ``dtype``, rows, rows per chunk)."""
+    hq, w, d = q_win.shape
+    rows = (hq // hkv) * w
+    step, padded = row_chunks(rows, d)
+    q = torch.zeros(hkv, padded, d, dtype=dtype, device=q_win.device)
+    q[:, :rows] = q_win.reshape(hkv, rows, d).float() * scaling
+    return q, rows, step
+
+
+def pool_logits(q_win: torch.Tensor, sketch: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """The window rows' logits over a pool's sketched keys (Hkv, rows padded, N * P), when they take
+    one product (the rows fit one chunk, as ``page_picks`` would make them); else None. They need no
+    normaliser, so they can be made beside the attention over the device that gives it."""
+    q, _, step = _scaled_rows(q_win, sketch.shape[0], sketch.dtype, scaling)
+    return torch.bmm(q, sketch.transpose(1, 2)) if step >= q.shape[1] else None
+
+
 @dataclass
 class PoolScores:
     """What Stage 1 over a pool's sketched tokens says of its N pages per KV head.
@@ -101,7 +120,7 @@ class PoolScores:
 def page_picks(
     q_win: torch.Tensor, window: Part, sketch: torch.Tensor, sketch_pos: torch.Tensor, sketch_alive: torch.Tensor,
     device_pos: torch.Tensor, history_len: int, prompt_budget: int, kernel_size: int, scaling: float,
-    page_tokens: int, *, backend: str = "auto",
+    page_tokens: int, *, logits: torch.Tensor | None = None, backend: str = "auto",
 ) -> PoolScores:
     """Stage 1's choice over the device and the sketched cold tokens, page by page (``PoolScores``).
 
@@ -109,24 +128,26 @@ def page_picks(
     (Hkv, T); sketch (Hkv, N * P, d) the estimated cold keys, page by page (float32, or the cheaper
     ``sketch_dtype``), with their positions and alive flags (Hkv, N * P). The cold tokens are history,
     so every window query sees them. In bfloat16 a logit is off by 2**-9 of its size: the logits
-    that carry mass sit near the device's normaliser, and a sketch's own error is larger."""
+    that carry mass sit near the device's normaliser, and a sketch's own error is larger. ``logits``:
+    ``pool_logits`` of the same rows and sketch, made ahead (None: made here)."""
     hq, w, d = q_win.shape
     hkv, m = sketch.shape[:2]
     pages = m // page_tokens
     if pages == 0:
         empty = torch.zeros(hkv, 0, dtype=torch.float32, device=sketch.device)
         return PoolScores(empty, empty.clone())
-    rows = (hq // hkv) * w
-    step, padded = row_chunks(rows, d)
-    q = torch.zeros(hkv, padded, d, dtype=sketch.dtype, device=sketch.device)
-    q[:, :rows] = q_win.reshape(hkv, rows, d).float() * scaling
+    if logits is None:
+        q, rows, step = _scaled_rows(q_win, hkv, sketch.dtype, scaling)
+    else:
+        q, rows, step = None, (hq // hkv) * w, logits.shape[1]
     lse_dev = window.lse.reshape(hkv, -1)
     lse = torch.empty_like(lse_dev)  # each row's normaliser over the device and the pool
     cold = torch.zeros(hkv, m, dtype=torch.float32, device=sketch.device)
     keys_t = sketch.transpose(1, 2)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        logits = torch.bmm(q[:, start : start + step], keys_t)  # (Hkv, step, N * P): rows past ``rows`` pad
+        if q is not None:
+            logits = torch.bmm(q[:, start : start + step], keys_t)  # (Hkv, step, N * P): rows past ``rows`` pad
         lse[:, start:stop] = dispatch.pool_mass(logits[:, : stop - start], sketch_alive, lse_dev[:, start:stop], cold,
                                                 backend=backend)
     probs = torch.cat([window_probs(window, lse.reshape(hq, w)), cold], dim=1)

@@ -35,16 +35,23 @@ class Transfers:
         (bundled model, 2 threads)."""
         return self._stream is not None or overlapped_work
 
-    def start(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+    def start(self, fn: Callable[[], T], reads_device: bool = False) -> concurrent.futures.Future:
         """Run ``fn`` (a read that returns tensors, alone or in tuples, lists and dataclasses) on the worker
-        thread."""
-        return self._worker.submit(self._on_side_stream, fn)
+        thread. ``reads_device``: ``fn`` reads tensors the model thread computed, so on CUDA the side
+        stream first waits for what the current stream has queued."""
+        ready = None
+        if reads_device and self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        return self._worker.submit(self._on_side_stream, fn, ready)
 
-    def _on_side_stream(self, fn: Callable[[], T]) -> T:
+    def _on_side_stream(self, fn: Callable[[], T], ready: "torch.cuda.Event | None" = None) -> T:
         if self._stream is None:
             with torch.inference_mode():
                 return fn()
         with torch.inference_mode(), torch.cuda.stream(self._stream):
+            if ready is not None:
+                self._stream.wait_event(ready)
             return fn()
 
     def wait(self, fut: concurrent.futures.Future) -> T:

@@ -300,3 +300,29 @@ def logits_floor(slots: int) -> float:
     """What shares floored at exp(FLOOR) can add to a page's mass over ``slots`` row-slot pairs."""
     return slots * math.exp(FLOOR) + 1e-12
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_picks_over_logits_made_ahead_are_those_it_makes_itself(dtype):
+    """The page reader may make the window rows' logits over a sketch beside the device attention
+    (``pool_logits``): page picks and mass from them are bit for bit those page_picks makes."""
+    from rocketkv_mt.cold_select import page_picks, pool_logits
+    from rocketkv_mt.split_attention import attend_part
+
+    gen = torch.Generator().manual_seed(12)
+    hkv, group, w, d, history, budget, kernel, p, cold_n = 2, 3, 20, 64, 900, 160, 7, 16, 640
+    q = torch.randn(hkv * group, w, d, generator=gen)
+    keys = torch.randn(hkv, history, d, generator=gen)
+    cold_pos, dev_pos = split_history(hkv, history, w, cold_n, gen)
+    gather = lambda t, pos: torch.stack([t[h, pos[h]] for h in range(hkv)])  # noqa: E731
+    alive = torch.rand(hkv, cold_n, generator=gen) < 0.9
+    window = attend_part(q, gather(keys, dev_pos), torch.randn(hkv, dev_pos.shape[1], d, generator=gen), d ** -0.5,
+                         w, own_tail=w)
+    sketch = gather(keys, cold_pos).to(dtype)
+    args = (cold_pos, alive, dev_pos, history, budget, kernel, d ** -0.5, p)
+    logits = pool_logits(q, sketch, d ** -0.5)
+    assert logits is not None and logits.shape[:2] == (hkv, 64)  # 60 rows padded to a multiple of 16
+    inline, ahead = page_picks(q, window, sketch, *args), page_picks(q, window, sketch, *args, logits=logits)
+    assert torch.equal(inline.ranks, ahead.ranks) and torch.equal(inline.mass, ahead.mass)
+    # More rows than one product takes (2d): none made ahead, page_picks makes them chunk by chunk.
+    assert pool_logits(torch.randn(hkv * 5, 32, d, generator=gen), sketch, d ** -0.5) is None

@@ -62,7 +62,7 @@ async def test_a_sketch_decoded_ahead_on_the_page_reader_gives_the_same_turns(ma
                          sketch_pool=64, digest_read_whole=0)
     started = []
     start = engine.transfers.start
-    monkeypatch.setattr(engine.transfers, "start", lambda fn: started.append(fn) or start(fn))
+    monkeypatch.setattr(engine.transfers, "start", lambda fn, **kw: started.append(fn) or start(fn, **kw))
     ahead = engine.create_session()
     a = await converse(engine, ahead, [FIRST, *LATER[:2]])
     assert len(started) >= 2 * (engine.runner.spec.num_layers - 1)  # both later turns decoded layers 1.. ahead

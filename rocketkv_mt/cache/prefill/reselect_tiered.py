@@ -19,7 +19,14 @@ from rocketkv_mt.attention_ops import dense_attention, positional_attention
 from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
-from rocketkv_mt.cold_select import candidate_pages, page_bounds, page_picks, pages_per_head, sketch_dtype
+from rocketkv_mt.cold_select import (
+    candidate_pages,
+    page_bounds,
+    page_picks,
+    pages_per_head,
+    pool_logits,
+    sketch_dtype,
+)
 from rocketkv_mt.dispatch import choose_over_parts, reselect
 from rocketkv_mt.split_attention import Part, attend_part, join_rows, merge, window_probs
 from rocketkv_mt.standin import StandIn, beside, standin_pages
@@ -149,11 +156,14 @@ class ReselectTiered(PrefillPolicy):
         # The device part first (primary set and the turn, the turn causal); its window rows rank the
         # cold pages, which are read while the other rows attend; the pages read back are the second
         # part; one exact softmax over both.
-        self._prefetch_sketch(layer + 1)
         kernels = cache.spec.kernels
         whole = self._reads_whole(layer)
+        # The window rows' logits over a prefetched sketch need no normaliser: the page reader makes them
+        # while this thread attends over the device (before it decodes the next layer's sketch).
+        ahead = None if whole else self._pool_logits_ahead(layer, q_win, scaling)
+        self._prefetch_sketch(layer + 1)
         window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w, backend=kernels)
-        read = partial(self._read_candidates, layer, q_win, window, scaling, total, whole)
+        read = partial(self._read_candidates, layer, q_win, window, scaling, total, whole, ahead)
         transfers = self.tiers.transfers
         reading = transfers.start(read) if transfers is not None and transfers.pays(n > w) else None
         device = window
@@ -240,8 +250,17 @@ class ReselectTiered(PrefillPolicy):
         limit = whole_limit(policy, budget)
         return reads_whole(policy, self.cold[layer].live_page_count(at_most=limit), budget)
 
+    def _pool_logits_ahead(self, layer: int, q_win: torch.Tensor, scaling: float):
+        """Start the window rows' logits over the layer's prefetched sketch on the page reader
+        (``cold_select.pool_logits``); None when no sketch was prefetched."""
+        started, transfers = self._sketches[layer], self.tiers.transfers
+        if started is None or transfers is None:
+            return None
+        decoding = started[1]
+        return transfers.start(lambda: pool_logits(q_win, decoding.result().keys, scaling), reads_device=True)
+
     def _read_candidates(self, layer: int, q_win: torch.Tensor, window: Part, scaling: float, total: int,
-                         whole: bool) -> tuple[tuple, StandIn | None]:
+                         whole: bool, ahead=None) -> tuple[tuple, StandIn | None]:
         """The cold pages this turn scores, read from the tiers: keys, values (Hkv, M, d), positions,
         alive, flat cold slots (Hkv, M); and, with a sketch and ``standin``, the unread pages that carry
         the most window mass (``rocketkv_mt.standin``), else None.
@@ -268,9 +287,10 @@ class ReselectTiered(PrefillPolicy):
             sketch = self._sketch(layer, pool, bounds_read=True)
         pool = pool.to(dev)
         cache.traffic.digest_bytes_read += sketch.nbytes
+        logits = self.tiers.transfers.wait(ahead) if ahead is not None else None
         scores = page_picks(q_win, window, sketch.keys, sketch.positions, sketch.alive, cache.layers[layer].positions,
                             total, split.prompt_budget, split.kernel_size, scaling, policy.page_tokens,
-                            backend=cache.spec.kernels)
+                            logits=logits, backend=cache.spec.kernels)
         chosen = candidate_pages(scores.ranks, pool >= 0, per_head)
         cand = cold.fetch(pages_of(pool, chosen), dev, cache.traffic)
         return cand, self._standin(layer, pool, chosen, scores.mass, sketch, per_head)
