@@ -51,6 +51,12 @@ class DeviceResidency:
 
         if not await self.admissions.admit(try_admit, may_fit_later, self.settings.admission_wait_s):
             self.memory_account.refusals += 1
+            if not shortfall:  # refused behind the turns already waiting, without a try of its own
+                need = self.memory_account.turn_bound(session, n_new, max_new)
+                shortfall.append(
+                    f"this turn needs up to {need} bytes of device memory of the replica's {self.memory_account.budget}, "
+                    f"which it cannot wait for behind the {len(self.admissions)} turns waiting; retry later or send less"
+                )
             raise DeviceMemoryExhausted(shortfall[0])
 
     def _admit(self, session: Session, n_new: int, max_new: int) -> None:

@@ -109,11 +109,23 @@ async def test_a_turn_waits_for_the_room_a_turn_in_flight_holds(make_engine, wai
         return
     # It does not fit beside the turn in flight (which cannot be parked): it waits, then parks the
     # first session, now idle, and runs.
-    done = await engine.complete(second.id, message(engine, 3), PARAMS)
-    ended.append("second")
+    async def second_turn():
+        done = await engine.complete(second.id, message(engine, 3), PARAMS)
+        ended.append("second")
+        return done
+
+    waiting = asyncio.create_task(second_turn())
+    while not len(engine.admissions):
+        await asyncio.sleep(0)
+    # A turn larger than the whole budget, arriving behind it, is refused at once with the structured error.
+    big = engine.create_session()
+    with pytest.raises(DeviceMemoryExhausted, match="needs up to"):
+        await engine.chat(big.id, message(engine, 2, words=900), PARAMS)
+    assert not big.busy and not big.token_ids
+    done = await waiting
     await in_flight
     assert ended == ["first", "second"] and done.usage.generated_tokens > 0
-    assert first.cache is None and engine.memory_account.parks == 1 and engine.memory_account.refusals == 0
+    assert first.cache is None and engine.memory_account.parks == 1 and engine.memory_account.refusals == 1
     assert_within_budget(engine)
 
 
