@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     )
     max_message_bytes: int = Field(256 * 1024, ge=1, description="Largest accepted user message, in UTF-8 bytes.")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's own).")
+    flush_denormal: bool = Field(
+        True,
+        description="CPU: the engine's model thread and page reader treat subnormal floats (below 1.2e-38) as "
+        "zero. A softmax over a long history makes many such weights, and x86 CPUs take a slow path on each "
+        "(a tiered turn's prefill about 4% faster with them flushed, measured here).",
+    )
     redis_url: str | None = Field(
         None, description="Redis URL (e.g. redis://127.0.0.1:6379/0): cold KV spills there and sessions persist."
     )

@@ -22,9 +22,12 @@ T = TypeVar("T")
 
 
 class Transfers:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, flush_denormal: bool = False):
+        """``flush_denormal``: the worker treats subnormal floats as zero, as the model thread may
+        (a per-thread CPU mode: the sketches it scores hold softmax weights)."""
         self.device = device
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rkv-pages")
+        init = (lambda: torch.set_flush_denormal(True)) if flush_denormal else None
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rkv-pages", initializer=init)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def pays(self, overlapped_work: bool) -> bool:

@@ -80,12 +80,14 @@ class Batcher:
         on_step: Callable[[list[str]], None] | None = None,
         prefill_chunk: int = 0,
         threads: int | None = None,
+        flush_denormal: bool = False,
     ):
         self.runner = runner
         self.on_step = on_step
         self.prefill_chunk = prefill_chunk  # 0: prefills are never split
         self.step_tokens = prefill_chunk or MAX_PREFILL_TOKENS
         self.threads = threads
+        self.flush_denormal = flush_denormal
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
@@ -165,6 +167,8 @@ class Batcher:
     def _loop(self) -> None:
         if self.threads and self.runner.device.type == "cpu":
             torch.set_num_threads(self.threads)  # per-thread in some builds: set it on the model thread too
+        if self.flush_denormal:
+            torch.set_flush_denormal(True)  # a per-thread CPU mode (see Settings.flush_denormal)
         job_turn = True
         while True:
             with self._cond:

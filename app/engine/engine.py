@@ -69,7 +69,8 @@ class Engine(TurnLoop, DeviceResidency):
             else None
         )
         self.host_tier = HostTier(settings.host_tier_bytes, self.redis)
-        self.transfers = Transfers(self.runner.device)  # cold pages read while the model computes
+        # Cold pages read while the model computes.
+        self.transfers = Transfers(self.runner.device, flush_denormal=settings.flush_denormal)
         self.tier_policy = TierPolicy(
             page_tokens=settings.page_tokens,
             prefill_attention=settings.prefill_attention,
@@ -87,7 +88,8 @@ class Engine(TurnLoop, DeviceResidency):
         self.admissions = AdmissionQueue()
         # One model thread: the model steps of all sessions run there, batched (app/engine/batcher.py).
         self.batcher = Batcher(
-            self.runner, on_step=self._after_step, prefill_chunk=settings.prefill_chunk, threads=settings.threads
+            self.runner, on_step=self._after_step, prefill_chunk=settings.prefill_chunk, threads=settings.threads,
+            flush_denormal=settings.flush_denormal,
         )
 
     # --- sessions ----------------------------------------------------------------------------

@@ -168,3 +168,17 @@ async def test_step_segments_match_single_forward(make_engine):
     torch.testing.assert_close(logits2[1], alone[2][0], atol=2e-3, rtol=0)
     torch.testing.assert_close(logits2[2], alone[1][1], atol=2e-3, rtol=0)
     assert [c.history_len for c in caches] == [len(prompts[0]) + 1, len(prompts[1]) + 1, len(prompts[2])]
+
+
+async def test_the_model_thread_and_page_reader_flush_subnormal_floats_as_set(make_engine):
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU has no flush-to-zero mode")
+
+    def flushes_here() -> bool:
+        return float(torch.tensor([1e-39]) * 1.0) == 0.0
+
+    for flush in (True, False):
+        engine = make_engine(flush_denormal=flush)
+        assert await engine.batcher.run(flushes_here) is flush
+        assert engine.transfers.wait(engine.transfers.start(flushes_here)) is flush
+    assert not flushes_here()

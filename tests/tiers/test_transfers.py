@@ -55,3 +55,20 @@ def test_every_tensor_a_read_hands_back_is_found_for_the_main_stream():
     x, y, z, w = (torch.zeros(i + 1) for i in range(4))
     found = list(_tensors(((x, [y]), Pair(z, None), Pair(w, x), 3, "name")))
     assert [id(t) for t in found] == [id(x), id(y), id(z), id(w), id(x)]
+
+
+def flushes_here() -> bool:
+    """Whether this thread treats subnormal floats as zero now."""
+    return float(torch.tensor([1e-39]) * 1.0) == 0.0
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_the_worker_flushes_subnormal_floats_only_when_asked(flush):
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    transfers = Transfers(torch.device("cpu"), flush_denormal=flush)
+    try:
+        assert transfers.wait(transfers.start(flushes_here)) is flush
+        assert not flushes_here()  # a per-thread mode: the caller's own arithmetic is untouched
+    finally:
+        transfers.close()

@@ -48,6 +48,26 @@ class Pending:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.cand[:2])
 
+    def chosen(self) -> "Pending":
+        return self
+
+
+@dataclass
+class Choosing:
+    """A layer's re-selection still being chosen on the page reader (the model thread goes on with the
+    next layer meanwhile): ``future`` gives the ``Pending``; ``cand``, every page the layer read, is
+    held until then."""
+
+    future: object  # concurrent.futures.Future of a Pending
+    cand: tuple
+    transfers: object  # the Transfers that runs it
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.cand[:2])
+
+    def chosen(self) -> Pending:
+        return self.transfers.wait(self.future)
+
 
 def promoted_only(slots: torch.Tensor, device_slots: int, cand: tuple) -> tuple[torch.Tensor, tuple]:
     """Keep of the read-back tokens ``cand`` only those a selection ``slots`` (Hkv, kept) promotes:
@@ -112,7 +132,7 @@ class ReselectTiered(PrefillPolicy):
                       by_keys=policy.pages_by_keys, sketch_bits=policy.sketched)
             for i in range(spec.num_layers)
         ]
-        self._pending: list[Pending | None] = [None] * spec.num_layers
+        self._pending: list[Pending | Choosing | None] = [None] * spec.num_layers
         # A layer's whole pool of sketched pages and the worker's decode of it, started while the layer
         # before it computes (``_prefetch_sketch``): its estimated keys do not depend on the queries.
         self._sketches: list[tuple[torch.Tensor, object] | None] = [None] * spec.num_layers
@@ -163,6 +183,8 @@ class ReselectTiered(PrefillPolicy):
         ahead = None if whole else self._pool_logits_ahead(layer, q_win, scaling)
         self._prefetch_sketch(layer + 1)
         window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w, backend=kernels)
+        if layer and self._pending[layer - 1] is not None:  # the previous layer's choice, before this one reads
+            self._pending[layer - 1] = self._pending[layer - 1].chosen()
         read = partial(self._read_candidates, layer, q_win, window, scaling, total, whole, ahead)
         transfers = self.tiers.transfers
         reading = transfers.start(read) if transfers is not None and transfers.pays(n > w) else None
@@ -176,20 +198,36 @@ class ReselectTiered(PrefillPolicy):
         if keys.shape[1]:
             parts.append(attend_part(q, keys, values, scaling, w, visible=visible, backend=kernels))
         out, lse = merge(parts, q.dtype)
+        choose = partial(self._choose, parts, lse, store.positions, store.length, cand, total, w)
+        if policy.prefill_attention == "selected" or whole:
+            # A layer read whole holds every cold page one layer at a time, so it applies its choice at once.
+            self._pending[layer] = choose()
+            self._settle(layer)
+        elif transfers is not None and transfers.pays(True):
+            # The first token needs only this attention: Stage 1's choice over it runs on the page reader
+            # while this thread goes on with the next layer, which waits for it before reading its own
+            # pages (so one layer's whole read is held at a time, as when chosen here).
+            self._pending[layer] = Choosing(transfers.start(choose, reads_device=True), cand, transfers)
+        else:
+            self._pending[layer] = choose()
+        # Applying the choice (promote, demote, KT) waits for the layer's first decode step, holding
+        # meanwhile only the tokens it promotes.
+        return self._selected_attention(layer, q, scaling) if policy.prefill_attention == "selected" else out
+
+    def _choose(self, parts: list[Part], lse: torch.Tensor, device_pos: torch.Tensor, device_slots: int, cand: tuple,
+                total: int, w: int) -> Pending:
+        """Stage 1's choice over the device slots and the read-back ones, from the window rows' mass in
+        the merged softmax; of the read-back tokens only those it promotes are kept."""
+        split = self.cache.split
         # The stand-in's slots weigh in the softmax, so in Stage 1's scores, but hold no slot to choose.
         probs = torch.cat([window_probs(part, lse) for part in parts], dim=1)
-        probs = probs[:, : device.window_probs.shape[-1] + cand[0].shape[1]]
-        slots, positions, scores = choose_over_parts(probs, store.positions, cand[2], cand[3], total, w,
-                                                     split.prompt_budget, split.kernel_size, backend=kernels)
+        probs = probs[:, : parts[0].window_probs.shape[-1] + cand[0].shape[1]]
+        slots, positions, scores = choose_over_parts(probs, device_pos, cand[2], cand[3], total, w,
+                                                     split.prompt_budget, split.kernel_size,
+                                                     backend=self.cache.spec.kernels)
         if len(parts) > 1:
-            slots, cand = promoted_only(slots, store.length, cand)
-        self._pending[layer] = Pending(slots, positions, scores, cand)
-        # The first token needs only this attention and the choice; applying it (promote, demote, KT)
-        # waits for the layer's first decode step, holding meanwhile only the tokens it promotes.
-        # A layer read whole holds every cold page one layer at a time, so it applies it at once.
-        if policy.prefill_attention == "selected" or whole:
-            self._settle(layer)
-        return self._selected_attention(layer, q, scaling) if policy.prefill_attention == "selected" else out
+            slots, cand = promoted_only(slots, device_slots, cand)
+        return Pending(slots, positions, scores, cand)
 
     def select(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
         """Nothing cold yet (a first turn, or a history within the budget): the store holds the whole
@@ -207,7 +245,7 @@ class ReselectTiered(PrefillPolicy):
 
     def _settle(self, layer: int) -> None:
         """Run a layer's pending re-selection on the keys its turn attended to."""
-        p, self._pending[layer] = self._pending[layer], None
+        p, self._pending[layer] = self._pending[layer].chosen(), None
         self._reorganise(layer, p.slots, p.positions, p.scores, p.cand)
 
     def settle(self) -> None:
