@@ -137,9 +137,13 @@ class ReselectTiered(PrefillPolicy):
         # before it computes (``_prefetch_sketch``): its estimated keys do not depend on the queries.
         self._sketches: list[tuple[torch.Tensor, object] | None] = [None] * spec.num_layers
         self._sketch_dtype = sketch_dtype(spec.device, spec.dtype)
+        # Per layer, whether this turn reads it whole (``_reads_whole``), known until its cold set changes:
+        # asked when the layer before prefetches its sketch and again when it attends.
+        self._whole: list[bool | None] = [None] * spec.num_layers
 
     # --- turns -------------------------------------------------------------------------------
     def begin_turn(self) -> None:
+        self._whole = [None] * len(self._whole)
         self._drop_sketches()
         self.settle()
 
@@ -265,6 +269,7 @@ class ReselectTiered(PrefillPolicy):
         promote the cold tokens it took, demote the device tokens it left, rebuild the decode set."""
         cache = self.cache
         store, cold = cache.layers[layer], self.cold[layer]
+        self._whole[layer] = None  # its cold set changes here
         t, d = store.length, store.keys.shape[-1]
         keys, values = store.keys, store.values
         from_cold = slots >= t
@@ -282,11 +287,11 @@ class ReselectTiered(PrefillPolicy):
         cache.selected(layer, store, scores)
 
     def _reads_whole(self, layer: int) -> bool:
-        policy, budget = self.tiers.policy, self.cache.split.prompt_budget
-        if policy.reselect == "exhaustive":
-            return True
-        limit = whole_limit(policy, budget)
-        return reads_whole(policy, self.cold[layer].live_page_count(at_most=limit), budget)
+        if self._whole[layer] is None:
+            policy, budget = self.tiers.policy, self.cache.split.prompt_budget
+            count = self.cold[layer].live_page_count(at_most=whole_limit(policy, budget))
+            self._whole[layer] = policy.reselect == "exhaustive" or reads_whole(policy, count, budget)
+        return self._whole[layer]
 
     def _pool_logits_ahead(self, layer: int, q_win: torch.Tensor, scaling: float):
         """Start the window rows' logits over the layer's prefetched sketch on the page reader
@@ -448,6 +453,7 @@ class ReselectTiered(PrefillPolicy):
         return {"host": host.session_bytes(sid), "redis": redis}
 
     def release(self) -> None:
+        self._whole = [None] * len(self._whole)
         self._drop_sketches()
         self._pending = [None] * len(self._pending)
         for cold in self.cold:
