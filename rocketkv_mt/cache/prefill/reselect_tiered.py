@@ -61,6 +61,9 @@ class Choosing:
     future: object  # concurrent.futures.Future of a Pending
     cand: tuple
     transfers: object  # the Transfers that runs it
+    # The job and so every tensor it reads, kept until ``chosen``: on CUDA its kernels run on the side
+    # stream after the job returns, and what the model thread frees meanwhile could be reused under them.
+    job: object = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.cand[:2])
@@ -211,7 +214,7 @@ class ReselectTiered(PrefillPolicy):
             # The first token needs only this attention: Stage 1's choice over it runs on the page reader
             # while this thread goes on with the next layer, which waits for it before reading its own
             # pages (so one layer's whole read is held at a time, as when chosen here).
-            self._pending[layer] = Choosing(transfers.start(choose, reads_device=True), cand, transfers)
+            self._pending[layer] = Choosing(transfers.start(choose, reads_device=True), cand, transfers, choose)
         else:
             self._pending[layer] = choose()
         # Applying the choice (promote, demote, KT) waits for the layer's first decode step, holding
