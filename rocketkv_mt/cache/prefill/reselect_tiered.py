@@ -34,6 +34,11 @@ from tiers.base import batch_nbytes
 from tiers.cold_layer import ColdLayer, Sketched
 
 
+def read_bytes(cand: tuple) -> int:
+    """Bytes of the keys and values of read-back tokens (``cand``'s first two tensors)."""
+    return sum(t.numel() * t.element_size() for t in cand[:2])
+
+
 @dataclass
 class Pending:
     """A layer's re-selection, chosen but not applied: ``slots`` (Hkv, kept) into [device slots,
@@ -46,7 +51,7 @@ class Pending:
     cand: tuple
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.cand[:2])
+        return read_bytes(self.cand)
 
     def chosen(self) -> "Pending":
         return self
@@ -63,10 +68,10 @@ class Choosing:
     transfers: object  # the Transfers that runs it
     # The job and so every tensor it reads, kept until ``chosen``: on CUDA its kernels run on the side
     # stream after the job returns, and what the model thread frees meanwhile could be reused under them.
-    job: object = None
+    job: object
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.cand[:2])
+        return read_bytes(self.cand)
 
     def chosen(self) -> Pending:
         return self.transfers.wait(self.future)
@@ -292,8 +297,9 @@ class ReselectTiered(PrefillPolicy):
     def _reads_whole(self, layer: int) -> bool:
         if self._whole[layer] is None:
             policy, budget = self.tiers.policy, self.cache.split.prompt_budget
-            count = self.cold[layer].live_page_count(at_most=whole_limit(policy, budget))
-            self._whole[layer] = policy.reselect == "exhaustive" or reads_whole(policy, count, budget)
+            # ``exhaustive`` reads every layer whole: no page count needed.
+            self._whole[layer] = policy.reselect == "exhaustive" or reads_whole(
+                policy, self.cold[layer].live_page_count(at_most=whole_limit(policy, budget)), budget)
         return self._whole[layer]
 
     def _pool_logits_ahead(self, layer: int, q_win: torch.Tensor, scaling: float):
