@@ -16,6 +16,7 @@ above their reservation (a bound that does not hold; expected to stay 0).
 """
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Iterable
 
 import torch
@@ -42,6 +43,10 @@ class DeviceMemory:
         self.parks = 0
         self.refusals = 0
         self.overruns = 0
+        # A session's cache is measured on the model thread after each step and taken away (parked, or
+        # dropped after a failure) on the event loop: one at a time, or a measure begun before the cache
+        # was taken would write its size back after the 0, and a parked session would seem to hold it.
+        self._cache_lock = threading.Lock()
 
     # --- bounds --------------------------------------------------------------------------------
     def turn_size(self, session: "Session", n_new: int, max_new: int, prefill_chunk: int = 0) -> TurnSize:
@@ -94,6 +99,19 @@ class DeviceMemory:
         self.held[session_id] = int(nbytes)
         if self.outgrown(session_id):
             self.overruns += 1
+
+    def measure(self, session: "Session") -> None:
+        """Record what the session's cache holds now (nothing when it has none)."""
+        with self._cache_lock:
+            if session.cache is not None:
+                self.set_held(session.id, session.cache.device_bytes())
+
+    def take_cache(self, session: "Session"):
+        """Take the session's cache away (its caller parks or frees it): it holds nothing from now."""
+        with self._cache_lock:
+            cache, session.cache = session.cache, None
+            self.set_held(session.id, 0)
+        return cache
 
     def forget(self, session_id: str) -> None:
         self.held.pop(session_id, None)

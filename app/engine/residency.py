@@ -102,9 +102,8 @@ class DeviceResidency:
 
     def _park(self, session: Session) -> None:
         """Take an idle session's cache off the device; its next turn restores it (or re-prefills)."""
-        cache, session.cache = session.cache, None
+        cache = self.memory_account.take_cache(session)
         session.parked_kv = None
-        self.memory_account.set_held(session.id, 0)
         self.memory_account.parks += 1
         self.batcher.submit(lambda: self._park_job(session, cache))
 
@@ -169,7 +168,7 @@ class DeviceResidency:
         mem = self.memory_account
         for sid in session_ids:
             session = self._sessions.get(sid)
-            if session is not None and session.cache is not None:
-                mem.set_held(sid, session.cache.device_bytes())
+            if session is not None:
+                mem.measure(session)
         mem.observe(list(self._sessions))
 

@@ -195,8 +195,7 @@ class TurnLoop:
                     raise  # a refusal, before anything was yielded
             else:
                 log.exception("turn failed in session %s; its cache will be rebuilt", session.id)
-                failed, session.cache = session.cache, None
-                self.memory_account.set_held(session.id, 0)
+                failed = self.memory_account.take_cache(session)
                 if failed is not None:
                     await self._step(lambda: self._release_quietly(session, failed))
                 finish = "error"
