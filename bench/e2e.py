@@ -60,7 +60,9 @@ def _clone(cache: SessionCache) -> SessionCache:
     """A copy of a prefilled cache for decoding beside it: its device tensors copied, its tiers (host
     pool, Redis, codec) shared, never copied. The copy is only decoded, never released or given a turn."""
     shared = {}
-    for value in vars(cache).values():
+    # The tiers hang off the cache's policies (its prefill policy holds them), not the cache itself.
+    owners = [cache, *(v for v in vars(cache).values() if hasattr(v, "__dict__"))]
+    for value in (v for owner in owners for v in vars(owner).values()):
         if isinstance(value, TierContext):
             shared.update({id(v): v for v in (value, *vars(value).values())})
     return copy.deepcopy(cache, shared)

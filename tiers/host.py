@@ -6,7 +6,9 @@ pages into a new tensor, so nothing it returns aliases a slot that a later write
 """
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from collections import Counter, OrderedDict
 
 import torch
@@ -16,6 +18,18 @@ from tiers.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 PageKey = tuple[str, str]  # (session id, page id)
+
+
+def one_at_a_time(method):
+    """Run a tier method under the tier's lock: the page reader may demote one session's pages while
+    the model thread reads another's (``ReselectTiered`` settles a layer beside the next one)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class ChunkUnavailable(KeyError):
@@ -36,6 +50,7 @@ class HostTier:
         self._resident: OrderedDict[PageKey, int] = OrderedDict()
         self._in_redis: set[PageKey] = set()
         self._per_session: Counter[str] = Counter()
+        self._lock = threading.RLock()
 
     # --- slots -------------------------------------------------------------------------------
     @property
@@ -116,6 +131,7 @@ class HostTier:
         return {name: t[slot].clone() for name, t in self._pool.items()}
 
     # --- pages -------------------------------------------------------------------------------
+    @one_at_a_time
     def put_many(self, session_id: str, page_ids: list[str], batch: PageBatch) -> int:
         """Store pages demoted from the device (copied into slots); returns the bytes written."""
         nbytes = self._store(session_id, page_ids, batch)
@@ -148,6 +164,7 @@ class HostTier:
         self.stats.bytes += nbytes
         return nbytes
 
+    @one_at_a_time
     @torch.inference_mode()
     def read_many(self, session_id: str, page_ids: list[str]) -> tuple[PageBatch, int]:
         """Copies of the pages, in order, and the bytes of them that came from Redis.
@@ -189,6 +206,7 @@ class HostTier:
         self.stats.bytes_read += len(keys) * self._page_bytes
         return out, len(misses) * self._page_bytes
 
+    @one_at_a_time
     def free_many(self, session_id: str, page_ids: list[str]) -> None:
         """Forget pages everywhere (host slots and Redis copies)."""
         in_redis = []
@@ -206,6 +224,7 @@ class HostTier:
         if in_redis and self.redis is not None:
             self.redis.delete_pages(session_id, in_redis)
 
+    @one_at_a_time
     def drop_session(self, session_id: str) -> int:
         """Give back the slots of a session leaving this process, keeping its Redis copies.
 
@@ -221,6 +240,7 @@ class HostTier:
         self._in_redis.difference_update([key for key in self._in_redis if key[0] == session_id])
         return len(keys)
 
+    @one_at_a_time
     def persist_many(self, session_id: str, page_ids: list[str]) -> int | None:
         """Make sure Redis holds a copy of these pages (one pipelined write of those it lacks).
 
@@ -236,15 +256,18 @@ class HostTier:
         self._in_redis.update(keys)
         return len(keys) * self._page_bytes
 
+    @one_at_a_time
     def adopt_many(self, session_id: str, page_ids: list[str]) -> None:
         """Record pages that Redis already holds (a session restored by another process)."""
         self._in_redis.update((session_id, pid) for pid in page_ids)
 
+    @one_at_a_time
     def where(self, session_id: str, page_id: str) -> str:
         key = (session_id, page_id)
         if key in self._resident:
             return "host"
         return "redis" if key in self._in_redis else "none"
 
+    @one_at_a_time
     def session_bytes(self, session_id: str) -> int:
         return self._page_bytes * self._per_session.get(session_id, 0)

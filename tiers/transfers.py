@@ -6,8 +6,8 @@ while the model thread goes on computing; on CUDA the worker also issues the hos
 ``wait`` hands the result over: the main stream waits for the side stream's copies, and the tensors
 are recorded as in use there so the allocator does not reuse them early.
 
-The model thread and the worker never touch a tier at the same time: the model thread starts a read
-and then only computes until it waits for it.
+The host tier takes a lock around each call (``tiers.host.one_at_a_time``): the worker may write one
+session's demoted pages while the model thread reads another session's.
 """
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ class Transfers:
         it saves: a 4k-token history's 21-token turn took 211 ms with the worker against 149 ms inline
         (bundled model, 2 threads)."""
         return self._stream is not None or overlapped_work
+
+    def on_device_stream(self) -> bool:
+        """Whether handed-over work runs on a CUDA side stream (else on a CPU core of its own)."""
+        return self._stream is not None
 
     def start(self, fn: Callable[[], T], reads_device: bool = False) -> concurrent.futures.Future:
         """Run ``fn`` (a read that returns tensors, alone or in tuples, lists and dataclasses) on the worker

@@ -56,6 +56,9 @@ class Pending:
     def chosen(self) -> "Pending":
         return self
 
+    def end(self) -> None:
+        """Let work on the page reader end, its result dropped (nothing runs for a chosen selection)."""
+
 
 @dataclass
 class Choosing:
@@ -75,6 +78,30 @@ class Choosing:
 
     def chosen(self) -> Pending:
         return self.transfers.wait(self.future)
+
+    def end(self) -> None:
+        self.future.exception()
+
+
+@dataclass
+class Settling:
+    """A layer's re-selection being applied on the page reader (promote, demote, the decode set) while
+    the model thread goes on with the next layer, which waits for it before reading its own pages:
+    ``chosen`` hands over nothing left to apply. ``pending``, and every page it read, is held until then."""
+
+    future: object  # concurrent.futures.Future of the application
+    pending: Pending
+    transfers: object
+
+    def nbytes(self) -> int:
+        return self.pending.nbytes()
+
+    def chosen(self) -> None:
+        self.transfers.wait(self.future)
+        return None
+
+    def end(self) -> None:
+        self.future.exception()
 
 
 def promoted_only(slots: torch.Tensor, device_slots: int, cand: tuple) -> tuple[torch.Tensor, tuple]:
@@ -140,7 +167,7 @@ class ReselectTiered(PrefillPolicy):
                       by_keys=policy.pages_by_keys, sketch_bits=policy.sketched)
             for i in range(spec.num_layers)
         ]
-        self._pending: list[Pending | Choosing | None] = [None] * spec.num_layers
+        self._pending: list[Pending | Choosing | Settling | None] = [None] * spec.num_layers
         # A layer's whole pool of sketched pages and the worker's decode of it, started while the layer
         # before it computes (``_prefetch_sketch``): its estimated keys do not depend on the queries.
         self._sketches: list[tuple[torch.Tensor, object] | None] = [None] * spec.num_layers
@@ -179,6 +206,7 @@ class ReselectTiered(PrefillPolicy):
         w = q_win.shape[1]
         total = cache.history_len + n
         if not cold.has_pages():
+            self._previous_chosen(layer)
             out = dense_attention(q, store.keys, store.values, scaling)
             if store.length <= split.prompt_budget:
                 cache.selected(layer, store, None)
@@ -195,8 +223,7 @@ class ReselectTiered(PrefillPolicy):
         ahead = None if whole else self._pool_logits_ahead(layer, q_win, scaling)
         self._prefetch_sketch(layer + 1)
         window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w, backend=kernels)
-        if layer and self._pending[layer - 1] is not None:  # the previous layer's choice, before this one reads
-            self._pending[layer - 1] = self._pending[layer - 1].chosen()
+        self._previous_chosen(layer)
         read = partial(self._read_candidates, layer, q_win, window, scaling, total, whole, ahead)
         transfers = self.tiers.transfers
         reading = transfers.start(read) if transfers is not None and transfers.pays(n > w) else None
@@ -212,9 +239,15 @@ class ReselectTiered(PrefillPolicy):
         out, lse = merge(parts, q.dtype)
         choose = partial(self._choose, parts, lse, store.positions, store.length, cand, total, w)
         if policy.prefill_attention == "selected" or whole:
-            # A layer read whole holds every cold page one layer at a time, so it applies its choice at once.
+            # A layer read whole holds every cold page one layer at a time, so it applies its choice at once:
+            # on the page reader while this thread goes on, where that pays (``_settles_beside``).
             self._pending[layer] = choose()
-            self._settle(layer)
+            if policy.prefill_attention != "selected" and self._settles_beside(layer):
+                pending = self._pending[layer]
+                self._pending[layer] = Settling(transfers.start(partial(self._apply, layer, pending)), pending,
+                                                transfers)
+            else:
+                self._settle(layer)
         elif transfers is not None and transfers.pays(True):
             # The first token needs only this attention: Stage 1's choice over it runs on the page reader
             # while this thread goes on with the next layer, which waits for it before reading its own
@@ -255,10 +288,31 @@ class ReselectTiered(PrefillPolicy):
         )
         self._reorganise(layer, slots, positions, scores, None)
 
+    def _previous_chosen(self, layer: int) -> None:
+        """The layer before this one chosen (and applied, if that ran on the page reader), before this
+        one reads pages or demotes: one layer's read is held at a time, and the chain of layers leaves
+        nothing running on the reader once the last layer has attended."""
+        if layer and self._pending[layer - 1] is not None:
+            self._pending[layer - 1] = self._pending[layer - 1].chosen()
+
     def _settle(self, layer: int) -> None:
-        """Run a layer's pending re-selection on the keys its turn attended to."""
+        """Run a layer's pending re-selection on the keys its turn attended to (or wait for the page
+        reader to have run it)."""
         p, self._pending[layer] = self._pending[layer].chosen(), None
+        if p is not None:
+            self._apply(layer, p)
+
+    def _apply(self, layer: int, p: Pending) -> None:
         self._reorganise(layer, p.slots, p.positions, p.scores, p.cand)
+
+    def _settles_beside(self, layer: int) -> bool:
+        """Whether a layer read whole applies its choice on the page reader, beside the next layer's
+        work on this thread: on a CPU (the other core), for every layer but the last (which nothing
+        after it in the step would wait for). On CUDA the application's kernels would allocate on the
+        side stream what the main stream then keeps: it stays on this thread, whose launches are cheap."""
+        transfers = self.tiers.transfers
+        return (transfers is not None and not transfers.on_device_stream()
+                and layer + 1 < len(self.cold))
 
     def settle(self) -> None:
         """Every layer's pending re-selection, now (before a new turn, at a turn's end, before persisting)."""
@@ -464,6 +518,9 @@ class ReselectTiered(PrefillPolicy):
     def release(self) -> None:
         self._whole = [None] * len(self._whole)
         self._drop_sketches()
+        for pending in self._pending:  # what a step that failed left on the page reader ends first
+            if pending is not None:
+                pending.end()
         self._pending = [None] * len(self._pending)
         for cold in self.cold:
             cold.free()

@@ -1,0 +1,103 @@
+"""A layer read whole applies its selection (promote, demote, the decode set) on the page reader while
+the model thread goes on with the next layer; selection, outputs and cold tier come out exactly as
+when it is applied inline, and a step that fails leaves nothing running on the reader."""
+import threading
+
+import pytest
+import torch
+
+import rocketkv_mt.cache.prefill.reselect_tiered as reselect_tiered
+from cache_drive import SPEC, forward, layer_inputs
+from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
+from rocketkv_mt.config import RocketKVConfig
+from tiers.cold_layer import ColdLayer
+from tiers.host import HostTier
+from tiers.transfers import Transfers
+
+# Every layer's cold set is small enough to be read whole.
+POLICY = TierPolicy(page_tokens=8, read_whole=1000)
+ROCKET = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
+
+
+@torch.inference_mode()  # as the model runner steps: the reader makes inference tensors
+def drive(cache, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three turns (a long first one, two short ones with decode steps): every layer's outputs, and each
+    layer's kept positions and cold tokens after every turn."""
+    gen = torch.Generator().manual_seed(seed)
+    outs, kept = [], []
+    for n_new, max_new in ((200, 4), (12, 4), (9, 3)):
+        outs += forward(cache, layer_inputs(gen, n_new), prefill=True, max_new=max_new)
+        for _ in range(max_new):
+            outs += forward(cache, layer_inputs(gen, 1), prefill=False)
+        cache.end_turn()
+        kept += [store.positions.clone() for store in cache.layers]
+        kept.append(torch.tensor([cold.alive_count() for cold in cache.prefill.cold]))
+    return outs, kept
+
+
+def test_a_layer_read_whole_is_applied_on_the_page_reader_as_it_is_inline(monkeypatch):
+    demotes = []
+    demote = ColdLayer.demote
+
+    def recorded(self, *args, **kwargs):
+        demotes.append((self.layer, threading.current_thread().name))
+        return demote(self, *args, **kwargs)
+
+    monkeypatch.setattr(ColdLayer, "demote", recorded)
+    transfers = Transfers(torch.device("cpu"))
+    try:
+        runs = []
+        for reader in (None, transfers):
+            tiers = TierContext(HostTier(64 << 20, None), f"settle-{reader is not None}", POLICY, transfers=reader)
+            cache = make_cache("tiered", SPEC, ROCKET, tiers=tiers)
+            demotes.clear()
+            runs.append((drive(cache, seed=5), list(demotes), cache.tier_bytes()))
+            assert cache.cold_tokens() > 0
+        (inline, inline_demotes, inline_bytes), (beside, beside_demotes, beside_bytes) = runs
+        assert not any(name.startswith("rkv-pages") for _, name in inline_demotes)
+        # The two short turns: every layer but the last demoted on the reader, the last one here.
+        on_reader = [layer for layer, name in beside_demotes if name.startswith("rkv-pages")]
+        assert sorted(on_reader) == sorted(list(range(SPEC.num_layers - 1)) * 2)
+        last = [name for layer, name in beside_demotes if layer == SPEC.num_layers - 1]
+        assert last and not any(name.startswith("rkv-pages") for name in last)
+        for a, b in zip(inline[0], beside[0], strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(inline[1], beside[1], strict=True):
+            assert torch.equal(a, b)
+        assert inline_bytes == beside_bytes
+    finally:
+        transfers.close()
+
+
+def test_a_step_that_fails_after_a_layer_went_to_the_reader_leaves_nothing_running(monkeypatch):
+    transfers = Transfers(torch.device("cpu"))
+    started, release = threading.Event(), threading.Event()
+    reorganise = reselect_tiered.ReselectTiered._reorganise
+
+    def slow_first_layer(self, layer, *args):
+        if layer == 0 and threading.current_thread().name.startswith("rkv-pages"):
+            started.set()
+            assert release.wait(5)
+            raise RuntimeError("demotion failed")
+        return reorganise(self, layer, *args)
+
+    try:
+        tiers = TierContext(HostTier(64 << 20, None), "settle-fails", POLICY, transfers=transfers)
+        cache = make_cache("tiered", SPEC, ROCKET, tiers=tiers)
+        gen = torch.Generator().manual_seed(7)
+        forward(cache, layer_inputs(gen, 200), prefill=True)
+        cache.end_turn()
+        monkeypatch.setattr(reselect_tiered.ReselectTiered, "_reorganise", slow_first_layer)
+        inputs = layer_inputs(gen, 12)
+        cache.begin_forward(12, prefill=True)
+        cache.attend(0, *inputs[0], SPEC.head_dim ** -0.5)
+        assert started.wait(5)
+        pending = cache.prefill._pending[0]
+        assert not pending.future.done()  # layer 0 is being applied while this thread may go on
+        release.set()
+        with pytest.raises(RuntimeError, match="demotion failed"):
+            cache.attend(1, *inputs[1], SPEC.head_dim ** -0.5)  # the next layer waits for it, and fails
+        cache.release()
+        assert pending.future.done() and all(p is None for p in cache.prefill._pending)
+    finally:
+        transfers.close()
