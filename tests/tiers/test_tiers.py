@@ -1,5 +1,6 @@
 """Tiers against the real Redis: bit-exact round trips, the host bound, spills, and Redis outages."""
 import secrets
+import threading
 
 import pytest
 import torch
@@ -130,3 +131,25 @@ def test_redis_down_host_keeps_working_and_reports():
         assert all(same({k: t[i] for k, t in got.items()}, make_page(i)) for i in range(4))
     finally:
         dead.close()
+
+
+def test_host_tier_calls_run_one_at_a_time():
+    """The page reader demotes one session's pages while the model thread reads another's: a call waits
+    while another holds the tier, then completes intact."""
+    host = HostTier(capacity_bytes=8 * PAGE_BYTES)
+    host.put_many("a", ["p0"], stacked(make_page(0)))
+    done = threading.Event()
+
+    def store_b():
+        host.put_many("b", ["p0"], stacked(make_page(1)))
+        done.set()
+
+    with host._lock:  # another call in progress
+        worker = threading.Thread(target=store_b)
+        worker.start()
+        assert not done.wait(0.3)
+    worker.join(5)
+    assert done.is_set()
+    for sid, seed in (("a", 0), ("b", 1)):
+        got, _ = host.read_many(sid, ["p0"])
+        assert same(got, stacked(make_page(seed)))
