@@ -42,3 +42,19 @@ def forward(cache, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 def layer_inputs(gen: torch.Generator, n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     return [random_qkv(gen, n) for _ in range(SPEC.num_layers)]
+
+
+@torch.inference_mode()  # as the model runner steps: what a page reader makes is an inference tensor
+def three_turns(cache, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three turns (a long first one, two short ones with decode steps): every layer's outputs; after
+    every turn each layer's kept positions and the cold token count."""
+    gen = torch.Generator().manual_seed(seed)
+    outs, kept = [], []
+    for n_new, max_new in ((200, 4), (12, 4), (9, 3)):
+        outs += forward(cache, layer_inputs(gen, n_new), prefill=True, max_new=max_new)
+        for _ in range(max_new):
+            outs += forward(cache, layer_inputs(gen, 1), prefill=False)
+        cache.end_turn()
+        kept += [store.positions.clone() for store in cache.layers]
+        kept.append(torch.tensor([cache.cold_tokens()]))
+    return outs, kept

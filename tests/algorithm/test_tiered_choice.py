@@ -5,7 +5,7 @@ import threading
 import torch
 
 import rocketkv_mt.cache.prefill.reselect_tiered as reselect_tiered
-from cache_drive import SPEC, forward, layer_inputs
+from cache_drive import SPEC, three_turns
 from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
 from tiers.host import HostTier
@@ -13,20 +13,6 @@ from tiers.transfers import Transfers
 
 # Never read whole: every layer takes the digest path, whose choice may be deferred.
 POLICY = TierPolicy(page_tokens=8, read_whole=0)
-
-
-def drive(cache, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Three turns (a long first one, two short ones with decode steps): every layer's outputs, and
-    each layer's kept positions after every turn."""
-    gen = torch.Generator().manual_seed(seed)
-    outs, kept = [], []
-    for n_new, max_new in ((200, 4), (12, 4), (9, 3)):
-        outs += forward(cache, layer_inputs(gen, n_new), prefill=True, max_new=max_new)
-        for _ in range(max_new):
-            outs += forward(cache, layer_inputs(gen, 1), prefill=False)
-        cache.end_turn()
-        kept += [store.positions.clone() for store in cache.layers]
-    return outs, kept
 
 
 def test_the_choice_on_the_page_reader_equals_the_choice_inline(monkeypatch):
@@ -46,7 +32,7 @@ def test_the_choice_on_the_page_reader_equals_the_choice_inline(monkeypatch):
             tiers = TierContext(HostTier(64 << 20, None), f"choice-{reader is not None}", POLICY, transfers=reader)
             cache = make_cache("tiered", SPEC, rocket, tiers=tiers)
             threads.clear()
-            runs.append((drive(cache, seed=3), list(threads)))
+            runs.append((three_turns(cache, seed=3), list(threads)))
             assert cache.cold_tokens() > 0
         (inline, inline_threads), (deferred, deferred_threads) = runs
         # Inline every choice runs on the calling thread; with a reader, the digest turns' choices ran there.

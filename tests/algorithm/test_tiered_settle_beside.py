@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rocketkv_mt.cache.prefill.reselect_tiered as reselect_tiered
-from cache_drive import SPEC, forward, layer_inputs
+from cache_drive import SPEC, forward, layer_inputs, three_turns
 from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
 from tiers.cold_layer import ColdLayer
@@ -17,22 +17,6 @@ from tiers.transfers import Transfers
 # Every layer's cold set is small enough to be read whole.
 POLICY = TierPolicy(page_tokens=8, read_whole=1000)
 ROCKET = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
-
-
-@torch.inference_mode()  # as the model runner steps: the reader makes inference tensors
-def drive(cache, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Three turns (a long first one, two short ones with decode steps): every layer's outputs, and each
-    layer's kept positions and cold tokens after every turn."""
-    gen = torch.Generator().manual_seed(seed)
-    outs, kept = [], []
-    for n_new, max_new in ((200, 4), (12, 4), (9, 3)):
-        outs += forward(cache, layer_inputs(gen, n_new), prefill=True, max_new=max_new)
-        for _ in range(max_new):
-            outs += forward(cache, layer_inputs(gen, 1), prefill=False)
-        cache.end_turn()
-        kept += [store.positions.clone() for store in cache.layers]
-        kept.append(torch.tensor([cold.alive_count() for cold in cache.prefill.cold]))
-    return outs, kept
 
 
 def test_a_layer_read_whole_is_applied_on_the_page_reader_as_it_is_inline(monkeypatch):
@@ -51,7 +35,7 @@ def test_a_layer_read_whole_is_applied_on_the_page_reader_as_it_is_inline(monkey
             tiers = TierContext(HostTier(64 << 20, None), f"settle-{reader is not None}", POLICY, transfers=reader)
             cache = make_cache("tiered", SPEC, ROCKET, tiers=tiers)
             demotes.clear()
-            runs.append((drive(cache, seed=5), list(demotes), cache.tier_bytes()))
+            runs.append((three_turns(cache, seed=5), list(demotes), cache.tier_bytes()))
             assert cache.cold_tokens() > 0
         (inline, inline_demotes, inline_bytes), (beside, beside_demotes, beside_bytes) = runs
         assert not any(name.startswith("rkv-pages") for _, name in inline_demotes)
