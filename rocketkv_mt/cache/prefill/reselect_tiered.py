@@ -241,13 +241,12 @@ class ReselectTiered(PrefillPolicy):
         if policy.prefill_attention == "selected" or whole:
             # A layer read whole holds every cold page one layer at a time, so it applies its choice at once:
             # on the page reader while this thread goes on, where that pays (``_settles_beside``).
-            self._pending[layer] = choose()
+            pending = choose()
             if policy.prefill_attention != "selected" and self._settles_beside(layer):
-                pending = self._pending[layer]
                 self._pending[layer] = Settling(transfers.start(partial(self._apply, layer, pending)), pending,
                                                 transfers)
             else:
-                self._settle(layer)
+                self._apply(layer, pending)
         elif transfers is not None and transfers.pays(True):
             # The first token needs only this attention: Stage 1's choice over it runs on the page reader
             # while this thread goes on with the next layer, which waits for it before reading its own
