@@ -127,6 +127,7 @@ class TurnLoop:
         detok = Detokenizer(self.tokenizer, params.stop)
         sampler = (params, make_generator(params, self.runner.device))  # drawn on the model thread
         finish = "length"
+        left = False  # the caller went away (a disconnect, a cancelled task): no TurnDone is read
         generated: list[int] = []
         # Between two chunks of the prefill a cancel (or a refusal) stops the turn and undoes it.
         gate = PrefillGate(lambda: self._between_chunks(session))
@@ -188,6 +189,7 @@ class TurnLoop:
                 await self._step(cache.end_turn)
         except (GeneratorExit, asyncio.CancelledError):
             finish = "cancelled"
+            left = True
             raise
         except Exception as exc:
             if gate.undone:  # stopped between two chunks of the prefill (undone below)
@@ -204,7 +206,7 @@ class TurnLoop:
             if gate.undone:
                 self._undo_turn(session, before, stats, t0)
             else:
-                self._finish_turn(session, detok, generated, finish, stats, t0)
+                self._finish_turn(session, detok, generated, finish, stats, t0, left)
         if gate.undone:
             yield self._done_event(session, stats, "")
             return
@@ -239,7 +241,8 @@ class TurnLoop:
         session.cancel_requested = False
 
     def _finish_turn(
-        self, session: Session, detok: Detokenizer, generated: list[int], finish: str, stats: TurnStats, t0: float
+        self, session: Session, detok: Detokenizer, generated: list[int], finish: str, stats: TurnStats, t0: float,
+        left: bool = False,
     ) -> None:
         reply = {"role": "assistant", "content": detok.text}
         if finish == "cancelled":
@@ -255,11 +258,55 @@ class TurnLoop:
         stats.generated_tokens = len(generated)
         stats.finish_reason = finish
         stats.latency_ms = (time.perf_counter() - t0) * 1000
-        if session.cache is not None:
-            session.cache.end_turn()
-            stats.device_bytes = session.cache.device_bytes()
-            stats.kept_tokens = session.cache.kept_tokens()
-            stats.readmitted_tokens = session.cache.readmitted_tokens()
+        cache = session.cache
+        if cache is None:
+            self._close_turn(session, stats)
+        elif left:
+            self._close_left_turn(session, cache, stats)
+        else:  # every other way out settled on the model thread (a decode step, or the job above)
+            self._close_turn(session, stats, _measure(cache))
+
+    def _close_left_turn(self, session: Session, cache: SessionCache, stats: TurnStats) -> None:
+        """A turn its caller left (a disconnect, a cancelled task), possibly before any decode step: its
+        cache may still hold the prefill's re-selection to settle, which moves bytes between the tiers.
+        Only the model thread touches the tiers while steps run, so it settles there, as a job; this
+        method cannot wait for it (it runs while the turn's generator is closed). The session is free
+        at once: a next turn that begins first settles it itself (``begin_turn``), and the job then
+        leaves the cache alone."""
+        fed = cache.history_len
+        self._close_turn(session, stats, _measure(cache))
+
+        def settle() -> tuple[int, int, int] | None:
+            if session.cache is not cache or cache.history_len != fed:  # parked, or a later turn began
+                return None
+            cache.end_turn()
+            return _measure(cache)
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # finalised outside the loop: the next turn's prefill, or a persist, settles it
+            return
+
+        def settled(fut) -> None:
+            if fut.exception() is not None:
+                log.warning("session %s: a left turn's settle did not run (%s); its next turn settles it",
+                            session.id, fut.exception())
+            elif fut.result() is not None:
+                loop.call_soon_threadsafe(self._record_settled, session, cache, fed, stats, fut.result())
+
+        self.batcher.submit(settle).add_done_callback(settled)
+
+    def _record_settled(self, session: Session, cache: SessionCache, fed: int, stats: TurnStats,
+                        measured: tuple[int, int, int]) -> None:
+        stats.device_bytes, stats.kept_tokens, stats.readmitted_tokens = measured
+        if session.cache is cache and cache.history_len == fed and not session.busy:
+            self.memory_account.set_held(session.id, stats.device_bytes)
+            self.admissions.changed()
+
+    def _close_turn(self, session: Session, stats: TurnStats, measured: tuple[int, int, int] | None = None) -> None:
+        """Record the turn's memory figures and free the session for its next turn."""
+        if measured is not None:
+            stats.device_bytes, stats.kept_tokens, stats.readmitted_tokens = measured
             self.memory_account.set_held(session.id, stats.device_bytes)
         self.memory_account.reserved.pop(session.id, None)
         self.memory_account.chunking.pop(session.id, None)
@@ -279,3 +326,7 @@ class TurnLoop:
             latency_ms=stats.latency_ms,
         )
 
+
+def _measure(cache: SessionCache) -> tuple[int, int, int]:
+    """(device bytes, kept tokens, re-admitted tokens) of a cache at a turn's end."""
+    return cache.device_bytes(), cache.kept_tokens(), cache.readmitted_tokens()

@@ -2,11 +2,14 @@
 
 (Exact resume from Redis in another process goes through the session record: tests/e2e/test_session_record.py.)
 """
+import asyncio
 import secrets
+import threading
 
 import pytest
 import torch
 
+from app.engine.events import TextDelta
 from app.engine.sampling import SamplingParams
 from bench.haystack import hide
 
@@ -221,3 +224,37 @@ async def test_a_one_token_reply_applies_its_turns_selection(make_engine):
         assert done.usage.generated_tokens > 0
     finally:
         engine.delete_session(session.id)
+
+
+async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(make_engine, monkeypatch):
+    # The caller leaves at the first streamed token (a disconnect): the turn's re-selection, still pending
+    # after its prefill, moves bytes between the tiers, which only the model thread touches while steps
+    # run. It settles there, while the session is free for its next turn at once.
+    from rocketkv_mt.cache.prefill.reselect_tiered import ReselectTiered
+
+    engine = make_engine(mode="tiered", token_budget=128, digest_read_whole=0)
+    applied = []
+    apply = ReselectTiered._apply
+
+    def recording(self, layer, p):
+        applied.append(threading.current_thread().name)
+        return apply(self, layer, p)
+
+    monkeypatch.setattr(ReselectTiered, "_apply", recording)
+    session = engine.create_session()
+    await engine.complete(session.id, FIRST, PARAMS)
+    applied.clear()
+    events = await engine.chat(session.id, LATER[0], PARAMS)
+    assert isinstance(await anext(events), TextDelta)
+    assert session.feeds[-1].decodes == 0 and not applied  # left with the re-selection pending
+    await events.aclose()
+    assert not session.busy and session.turns[-1].finish_reason == "cancelled"  # free at once
+    await engine.batcher.run(lambda: None)  # after the settle job (jobs run in order)
+    await asyncio.sleep(0.05)  # its figures reach the loop
+    assert applied and set(applied) == {"rkv-model"}, applied
+    cache = session.cache
+    assert session.turns[-1].device_bytes == cache.device_bytes()
+    for layer in range(len(cache.layers)):
+        assert torch.equal(positions_held(cache, layer, 0), torch.arange(cache.history_len)), layer
+    done = await engine.complete(session.id, LATER[1], PARAMS)  # and the session goes on
+    assert done.usage.generated_tokens > 0
