@@ -258,3 +258,37 @@ async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(m
         assert torch.equal(positions_held(cache, layer, 0), torch.arange(cache.history_len)), layer
     done = await engine.complete(session.id, LATER[1], PARAMS)  # and the session goes on
     assert done.usage.generated_tokens > 0
+
+
+async def test_a_left_turns_settle_leaves_a_next_turn_that_began_first_alone(make_engine):
+    # The settle job of a left turn queues behind a job holding the model thread; the session's next
+    # turn is sent meanwhile, and its prefill (a step, which alternates with jobs) runs first and
+    # settles the left turn itself. The job must then not touch the cache: an end_turn there would
+    # apply the new turn's selection in the middle of it.
+    engine = make_engine(mode="tiered", token_budget=128, digest_read_whole=0)
+    session = engine.create_session()
+    await engine.complete(session.id, FIRST, PARAMS)
+    events = await engine.chat(session.id, LATER[0], PARAMS)
+    assert isinstance(await anext(events), TextDelta) and session.feeds[-1].decodes == 0
+    hold = threading.Event()
+    held = engine.batcher.submit(hold.wait)
+    await events.aclose()  # its settle job now waits behind ``held``
+    cache = session.cache
+    ends = []
+    end_turn = cache.end_turn
+    cache.end_turn = lambda: ends.append(cache.history_len) or end_turn()
+    fed = cache.history_len
+    nxt = asyncio.create_task(engine.complete(session.id, LATER[1], PARAMS))
+    for _ in range(500):
+        if engine.batcher._prefills:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.batcher._prefills, "the next turn's prefill did not queue"
+    hold.set()
+    held.result(timeout=60)
+    done = await nxt
+    await engine.batcher.run(lambda: None)  # after the settle job
+    assert ends == [], ends  # the job saw the next turn had begun and left the cache alone
+    assert done.usage.generated_tokens > 0 and session.cache.history_len > fed
+    for layer in range(len(session.cache.layers)):
+        assert torch.equal(positions_held(session.cache, layer, 0), torch.arange(session.cache.history_len)), layer
