@@ -226,10 +226,19 @@ async def test_a_one_token_reply_applies_its_turns_selection(make_engine):
         engine.delete_session(session.id)
 
 
+
+async def _leave_at_first_token(engine, session, text):
+    """Start a turn and leave it (as a closed connection does) at its first streamed token, before any
+    decode step: its prefill's re-selection is still to apply."""
+    events = await engine.chat(session.id, text, PARAMS)
+    assert isinstance(await anext(events), TextDelta) and session.feeds[-1].decodes == 0
+    return events
+
+
 async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(make_engine, monkeypatch):
-    # The caller leaves at the first streamed token (a disconnect): the turn's re-selection, still pending
-    # after its prefill, moves bytes between the tiers, which only the model thread touches while steps
-    # run. It settles there, while the session is free for its next turn at once.
+    # The caller leaves at the first streamed token: the turn's re-selection, still pending after its
+    # prefill, moves bytes between the tiers, which only the model thread touches while steps run. It
+    # settles there, while the session is free for its next turn at once.
     from rocketkv_mt.cache.prefill.reselect_tiered import ReselectTiered
 
     engine = make_engine(mode="tiered", token_budget=128, digest_read_whole=0)
@@ -244,9 +253,8 @@ async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(m
     session = engine.create_session()
     await engine.complete(session.id, FIRST, PARAMS)
     applied.clear()
-    events = await engine.chat(session.id, LATER[0], PARAMS)
-    assert isinstance(await anext(events), TextDelta)
-    assert session.feeds[-1].decodes == 0 and not applied  # left with the re-selection pending
+    events = await _leave_at_first_token(engine, session, LATER[0])
+    assert not applied
     await events.aclose()
     assert not session.busy and session.turns[-1].finish_reason == "cancelled"  # free at once
     await engine.batcher.run(lambda: None)  # after the settle job (jobs run in order)
@@ -256,29 +264,20 @@ async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(m
     assert session.turns[-1].device_bytes == cache.device_bytes()
     for layer in range(len(cache.layers)):
         assert torch.equal(positions_held(cache, layer, 0), torch.arange(cache.history_len)), layer
-    done = await engine.complete(session.id, LATER[1], PARAMS)  # and the session goes on
-    assert done.usage.generated_tokens > 0
 
-
-async def test_a_left_turns_settle_leaves_a_next_turn_that_began_first_alone(make_engine):
-    # The settle job of a left turn queues behind a job holding the model thread; the session's next
-    # turn is sent meanwhile, and its prefill (a step, which alternates with jobs) runs first and
-    # settles the left turn itself. The job must then not touch the cache: an end_turn there would
-    # apply the new turn's selection in the middle of it.
-    engine = make_engine(mode="tiered", token_budget=128, digest_read_whole=0)
-    session = engine.create_session()
-    await engine.complete(session.id, FIRST, PARAMS)
-    events = await engine.chat(session.id, LATER[0], PARAMS)
-    assert isinstance(await anext(events), TextDelta) and session.feeds[-1].decodes == 0
+    # Left again, its settle job now queued behind a job holding the model thread; the next turn, sent
+    # meanwhile, has its prefill (a step: steps alternate with jobs) run first, which settles the left
+    # turn itself. The job must then leave the cache alone: an end_turn there would apply the new
+    # turn's selection in the middle of it.
+    events = await _leave_at_first_token(engine, session, LATER[1])
     hold = threading.Event()
     held = engine.batcher.submit(hold.wait)
-    await events.aclose()  # its settle job now waits behind ``held``
-    cache = session.cache
+    await events.aclose()
     ends = []
     end_turn = cache.end_turn
     cache.end_turn = lambda: ends.append(cache.history_len) or end_turn()
     fed = cache.history_len
-    nxt = asyncio.create_task(engine.complete(session.id, LATER[1], PARAMS))
+    nxt = asyncio.create_task(engine.complete(session.id, LATER[2], PARAMS))
     for _ in range(500):
         if engine.batcher._prefills:
             break
@@ -288,7 +287,7 @@ async def test_a_left_turns_settle_leaves_a_next_turn_that_began_first_alone(mak
     held.result(timeout=60)
     done = await nxt
     await engine.batcher.run(lambda: None)  # after the settle job
-    assert ends == [], ends  # the job saw the next turn had begun and left the cache alone
-    assert done.usage.generated_tokens > 0 and session.cache.history_len > fed
-    for layer in range(len(session.cache.layers)):
-        assert torch.equal(positions_held(session.cache, layer, 0), torch.arange(session.cache.history_len)), layer
+    assert ends == [], ends  # the job saw the next turn had begun
+    assert done.usage.generated_tokens > 0 and cache.history_len > fed
+    for layer in range(len(cache.layers)):
+        assert torch.equal(positions_held(cache, layer, 0), torch.arange(cache.history_len)), layer
