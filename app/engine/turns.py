@@ -242,7 +242,7 @@ class TurnLoop:
 
     def _finish_turn(
         self, session: Session, detok: Detokenizer, generated: list[int], finish: str, stats: TurnStats, t0: float,
-        left: bool = False,
+        left: bool,
     ) -> None:
         reply = {"role": "assistant", "content": detok.text}
         if finish == "cancelled":

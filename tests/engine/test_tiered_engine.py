@@ -226,7 +226,6 @@ async def test_a_one_token_reply_applies_its_turns_selection(make_engine):
         engine.delete_session(session.id)
 
 
-
 async def _leave_at_first_token(engine, session, text):
     """Start a turn and leave it (as a closed connection does) at its first streamed token, before any
     decode step: its prefill's re-selection is still to apply."""
