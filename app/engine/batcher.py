@@ -29,7 +29,10 @@ stopped prefill takes its chunks back (``SessionCache.undo_chunks``), leaving th
 
 Before a step, the thread waits briefly (a fraction of the last step's time) until every session
 in its decode phase has asked for its next token, so that they stay in one batch rather than
-drifting into two; a session whose consumer is slow only costs that short wait.
+drifting into two; a session whose consumer is slow only costs that short wait. An idle engine's first
+prefill waits likewise while more turns keep arriving (each within ``ARRIVAL_QUIET_S`` of the last,
+``ARRIVAL_MAX_S`` in all): turns sent together start in one step, rather than the first taking a step
+alone while the others queue behind it.
 
 Each request gets its own result: its next token, drawn on the model thread from its row of the
 step's logits (all rows at once, one device-to-host transfer per step), or its own exception. A
@@ -61,6 +64,9 @@ T = TypeVar("T")
 MAX_PREFILL_TOKENS = 512  # prefill tokens packed into one step beyond the first prefill, without chunking
 GATHER_FRACTION = 0.25  # wait for stragglers at most this fraction of the last step's time
 GATHER_MIN_S, GATHER_MAX_S = 0.001, 0.05
+# An idle engine's first prefill waits for more turns while they keep arriving (each within QUIET of the
+# last, MAX in all), so a burst of turns shares one step instead of the first taking a step alone.
+ARRIVAL_QUIET_S, ARRIVAL_MAX_S = 0.002, 0.02
 SELECT_FRACTION = 0.5  # a slice of a chunked prefill's deferred selection: about this fraction of a decode step
 SELECT_MIN_S = 0.005
 MIN_CHUNK = 8  # fewest prefill tokens a chunk fed beside decode tokens carries
@@ -200,7 +206,11 @@ class Batcher:
         self._fail_pending()
 
     def _gather(self) -> None:
-        """Wait (lock held) until every generating session has asked, or a short while has passed."""
+        """Wait (lock held) until every generating session has asked, or a short while has passed; on an
+        idle engine, while new turns keep arriving (``ARRIVAL_QUIET_S``)."""
+        if self._prefills and not (self._prefills[0].fed or self._decoding or self._decodes or self._selecting):
+            self._gather_arrivals()
+            return
         wait = min(GATHER_MAX_S, max(GATHER_MIN_S, GATHER_FRACTION * self._last_step_s))
         deadline = time.monotonic() + wait
         while len(self._decodes) + len(self._selecting) < self._decoding and not self._closed:
@@ -208,6 +218,19 @@ class Batcher:
             if left <= 0:
                 break
             self._cond.wait(left)
+
+    def _gather_arrivals(self) -> None:
+        """Lock held: wait until no turn has arrived for ``ARRIVAL_QUIET_S``, ``ARRIVAL_MAX_S`` at most."""
+        deadline = time.monotonic() + ARRIVAL_MAX_S
+        seen = len(self._prefills)
+        while not self._closed:
+            left = min(ARRIVAL_QUIET_S, deadline - time.monotonic())
+            if left <= 0:
+                return
+            self._cond.wait(left)
+            if len(self._prefills) == seen:
+                return
+            seen = len(self._prefills)
 
     def _take(self) -> list[tuple[Request, Segment]]:
         """The step's segments (lock held); see ``take``. A decode whose cache has selection left is
