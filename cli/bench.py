@@ -28,6 +28,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--local-window", type=int, default=32)
     p.add_argument("--calls", type=int, default=200, help="calls per round and backend")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--sessions", type=int, default=0,
+                   help="also time the native batched decode step of this many sessions (0: no)")
+    p.add_argument("--layers", type=int, default=30, help="layers of that batched step, each with its own buffers")
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.hsa_step"))
 
