@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from app import cpu_linear
 from app.model_registry import ModelNotFound as ModelNotFound  # still importable from here, where it was
 from app.model_registry import bundled_model
 from app.settings import Settings
@@ -108,5 +109,7 @@ def load_model(settings: Settings) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     model.to(device).eval()
+    if settings.cpu_linear == "onednn" and cpu_linear.available(device, dtype):
+        cpu_linear.pack_linears(model)
     model.set_attn_implementation(register_attention())
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=path, device=device, dtype=dtype)

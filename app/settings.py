@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     )
     max_message_bytes: int = Field(256 * 1024, ge=1, description="Largest accepted user message, in UTF-8 bytes.")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's own).")
+    cpu_linear: Literal["onednn", "torch"] = Field(
+        "onednn",
+        description="A float32 model's linear layers on CPU: 'onednn' packs their weights once at load for oneDNN's "
+        "product (several times MKL's speed on CPUs whose MKL path is narrower than their vectors; a row's result "
+        "does not depend on the rows beside it); 'torch' keeps nn.Linear.",
+    )
     flush_denormal: bool = Field(
         True,
         description="CPU: the engine's model thread and page reader treat subnormal floats (below 1.2e-38) as "

@@ -34,6 +34,15 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.hsa_step"))
 
+    p = bench.add_parser("linear", help="a float32 linear layer on CPU: nn.Linear against oneDNN's packed product")
+    p.add_argument("--shapes", default="576x576,192x576,1536x576,576x1536,49152x576", help="out x in, comma-separated")
+    p.add_argument("--rows", default="1,2,4,8,16,64,400")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--calls", type=int, default=200, help="calls of a 576 x 576 product per round (scaled by size)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run("bench.linear"))
+
     p = bench.add_parser("needle", help="single-turn needle-in-a-haystack accuracy per mode")
     p.add_argument("--lengths", default="2000,4000,6000")
     p.add_argument("--cases", type=int, default=4, help="cases per length")
