@@ -16,11 +16,11 @@ from app import cpu_linear
 from bench.common import write_json
 
 
-def _us(fn, calls: int) -> float:
-    fn()
+def _us(layer: nn.Module, x: torch.Tensor, calls: int) -> float:
+    layer(x)
     t0 = time.perf_counter()
     for _ in range(calls):
-        fn()
+        layer(x)
     return (time.perf_counter() - t0) / calls * 1e6
 
 
@@ -41,8 +41,8 @@ def main(args) -> int:
             samples = {"torch": [], "onednn": []}
             with torch.inference_mode():
                 for _ in range(args.rounds):
-                    samples["torch"].append(_us(lambda: linear(x), calls))
-                    samples["onednn"].append(_us(lambda: packed(x), calls))
+                    samples["torch"].append(_us(linear, x, calls))
+                    samples["onednn"].append(_us(packed, x, calls))
                 diff = (linear(x) - packed(x)).abs().max().item()
             us = {name: statistics.median(v) for name, v in samples.items()}
             out.append({"out": n, "in": k, "rows": rows, "us": {name: round(v, 1) for name, v in us.items()},
