@@ -1,6 +1,8 @@
 """A float32 model's linear layers on CPU through oneDNN's packed product (``app.cpu_linear``): the
 same products as ``nn.Linear`` to rounding, a row's result independent of the rows beside it, and the
 loaded model packed unless told not to."""
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,7 @@ from app import cpu_linear
 from app.cpu_linear import PackedLinear, pack_linears
 from app.model_loader import load_model
 from app.settings import Settings
+from cli.main import build_parser
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.device("cpu"), torch.float32),
                                 reason="no oneDNN packed product in this torch build")
@@ -59,3 +62,13 @@ def test_the_loaded_model_is_packed_unless_told_not_to(loaded):
     with torch.inference_mode():
         a = loaded.model.model.embed_tokens(ids)
         torch.testing.assert_close(loaded.model.lm_head(a), plain.model.lm_head(a), rtol=1e-5, atol=1e-4)
+
+
+def test_bench_linear_reports_both_products_per_shape_and_rows(tmp_path):
+    out = tmp_path / "linear.json"
+    args = build_parser().parse_args(["bench", "linear", "--shapes", "96x64,8x64", "--rows", "1,3", "--rounds", "1",
+                                      "--calls", "5", "--json", str(out)])
+    assert args.func(args) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["out"], r["in"], r["rows"]) for r in rows] == [(96, 64, 1), (96, 64, 3), (8, 64, 1), (8, 64, 3)]
+    assert all(r["us"]["torch"] > 0 and r["us"]["onednn"] > 0 and r["max_abs_diff"] < 1e-4 for r in rows)
