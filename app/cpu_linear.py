@@ -42,6 +42,7 @@ def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` (in place); returns how many."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+    packed = [PackedLinear(child) for _, _, child in targets]  # all packed before any is swapped in
+    for (parent, name, _), layer in zip(targets, packed):
+        setattr(parent, name, layer)
     return len(targets)

@@ -110,6 +110,9 @@ def load_model(settings: Settings) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     model.to(device).eval()
     if settings.cpu_linear == "onednn" and cpu_linear.available(device, dtype):
-        cpu_linear.pack_linears(model)
+        try:
+            cpu_linear.pack_linears(model)
+        except RuntimeError as exc:  # a oneDNN build that cannot pack here: the model keeps nn.Linear
+            log.warning("oneDNN could not pack the linear layers (%s): using nn.Linear", exc)
     model.set_attn_implementation(register_attention())
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=path, device=device, dtype=dtype)

@@ -72,3 +72,13 @@ def test_bench_linear_reports_both_products_per_shape_and_rows(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [(r["out"], r["in"], r["rows"]) for r in rows] == [(96, 64, 1), (96, 64, 3), (8, 64, 1), (8, 64, 3)]
     assert all(r["us"]["torch"] > 0 and r["us"]["onednn"] > 0 and r["max_abs_diff"] < 1e-4 for r in rows)
+
+
+def test_a_build_that_cannot_pack_keeps_nn_linear(monkeypatch):
+    def fail(weight, rows):
+        raise RuntimeError("no packing here")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", fail)
+    plain = load_model(Settings())
+    assert not any(type(m) is PackedLinear for m in plain.model.modules())
+    assert type(plain.model.lm_head) is nn.Linear
