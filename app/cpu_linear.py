@@ -3,7 +3,7 @@
 ``nn.Linear`` on a CPU calls the BLAS torch was built with (MKL), which on some CPUs takes a narrower
 vector path than the machine has: on this project's AMD EPYC with AVX-512, a layer's product over 16
 rows ran at ~90 GFLOPS through MKL and ~230 through oneDNN's packed product, and the 49152 x 576 LM
-head read its weights at 17 against 32 GB/s for one row (``rocketkv-mt bench linear``). oneDNN's
+head read its weights at 17 against 39 GB/s for one row (``rocketkv-mt bench linear``). oneDNN's
 product of a row also does not depend on the other rows of its call, so a session's logits in a
 batched step are bit-identical to the ones it gets alone.
 """

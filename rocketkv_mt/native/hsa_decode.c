@@ -87,7 +87,7 @@ typedef struct {
 } Scratch;
 
 /* Pages whose bound logits are summed together: measured on the batched step of 16 sessions of the bundled
- * model (~325 pages a head), 16 pages took 2.6x as long as 256, 64 pages 1.1x. */
+ * model (~325 pages a head), 16 pages took 2.8x as long as 256, 64 pages 1.1x. */
 enum { PAGE_BLOCK = 256 };
 
 static void scratch_free(Scratch *s) {
@@ -128,15 +128,25 @@ static void rank_channels(Ranked *chan, const float *qh, int64_t g, int64_t d) {
     qsort(chan, (size_t)d, sizeof(Ranked), by_score_desc);
 }
 
-/* Ask for the bound rows the top-r channels of chan read (bh: one head's bounds): issued a head or a
- * session ahead, their memory latency overlaps the work before it instead of stalling the logits. */
-static void prefetch_bounds(const Ranked *chan, const float *qh, const float *bh, int64_t g, int64_t d, int64_t r,
-                            int64_t pages, int64_t bounds_row_stride) {
-    for (int64_t i = 0; i < r; ++i) {
-        int64_t c = chan[i].index;
-        float group = 0.0f;
-        for (int64_t j = 0; j < g; ++j) group += qh[j * d + c];
-        prefetch_span(bh + (group > 0.0f ? c : d + c) * bounds_row_stride, pages);
+/* The bound row channel c reads in one head's bounds bh: the max row where the group's q is positive. */
+static const float *bound_row(const float *bh, const float *qh, int64_t c, int64_t g, int64_t d,
+                              int64_t bounds_row_stride) {
+    float group = 0.0f;
+    for (int64_t j = 0; j < g; ++j) group += qh[j * d + c];
+    return bh + (group > 0.0f ? c : d + c) * bounds_row_stride;
+}
+
+/* Every head's channels ranked into chan (Hkv, d), and the bound rows their top r read asked for: issued a
+ * session ahead (or before the heads compute), their memory latency overlaps the work before it instead of
+ * stalling the logits. q (Hkv, G, d); bounds one head after another, head_stride apart. */
+static void plan_heads(Ranked *chan, const float *q, const float *bounds, int64_t hkv, int64_t g, int64_t d,
+                       int64_t r, int64_t pages, int64_t head_stride, int64_t bounds_row_stride) {
+    for (int64_t h = 0; h < hkv; ++h) {
+        const float *qh = q + h * g * d;
+        rank_channels(chan + h * d, qh, g, d);
+        for (int64_t i = 0; i < r; ++i)
+            prefetch_span(bound_row(bounds + h * head_stride, qh, chan[h * d + i].index, g, d, bounds_row_stride),
+                          pages);
     }
 }
 
@@ -160,16 +170,14 @@ static void hsa_head(const Scratch *s, const Ranked *chan, const float *qh, cons
         scale[j] = kept > 0.0f ? 1.0f / sqrtf((float)d * kept / all) : 0.0f;
     }
 
-    /* Upper-bound logits: each kept channel reads the max row where the group's q is positive. Pages go
+    /* Upper-bound logits: each kept channel reads its bound row (bound_row). Pages go
      * in blocks, channels inside, so a block's logits are summed in L1 and stored once; each logit still
      * sums its channels in rank order (the same result as a channel at a time over all pages). */
     const float **rows = s->rows;
     float *weights = s->weights;
     for (int64_t i = 0; i < r; ++i) {
         int64_t c = chan[i].index;
-        float group = 0.0f;
-        for (int64_t j = 0; j < g; ++j) group += qh[j * d + c];
-        rows[i] = bh + (group > 0.0f ? c : d + c) * bounds_row_stride;
+        rows[i] = bound_row(bh, qh, c, g, d, bounds_row_stride);
         for (int64_t j = 0; j < g; ++j) weights[j * r + i] = qh[j * d + c] * scale[j];
     }
     for (int64_t p0 = 0; p0 < pages; p0 += PAGE_BLOCK) {
@@ -265,11 +273,7 @@ int rkv_hsa_decode(
     int64_t max_tokens = k_pages * page_size;
     Scratch s;
     if (scratch_alloc(&s, hkv, g, d, pages, k_pages, max_tokens, max_tokens) != 0) return -1;
-    for (int64_t h = 0; h < hkv; ++h) {
-        rank_channels(s.chan + h * d, q + h * g * d, g, d);
-        prefetch_bounds(s.chan + h * d, q + h * g * d, bounds + h * bounds_head_stride, g, d, r, pages,
-                        bounds_row_stride);
-    }
+    plan_heads(s.chan, q, bounds, hkv, g, d, r, pages, bounds_head_stride, bounds_row_stride);
     for (int64_t h = 0; h < hkv; ++h)
         hsa_head(&s, s.chan + h * d, q + h * g * d, bounds + h * bounds_head_stride, key_buf + h * cap * d, value_buf + h * cap * d,
                  pinned ? pinned + h * n_pinned : NULL, out + h * g * d, g, d, length, pages, bounds_row_stride,
@@ -328,11 +332,8 @@ static void plan_session(const int64_t *table, const float *q, int64_t b, int64_
     const int64_t *t = table + b * F_WIDTH;
     if (!t[F_HSA]) return;
     int64_t r = t[F_TOPR] < d ? t[F_TOPR] : d;
-    const float *qb = q + b * hkv * g * d, *bounds = PTR(const float, t[F_BOUNDS]);
-    for (int64_t h = 0; h < hkv; ++h) {
-        rank_channels(chan + h * d, qb + h * g * d, g, d);
-        prefetch_bounds(chan + h * d, qb + h * g * d, bounds + h * t[F_BHEAD], g, d, r, t[F_PAGES], t[F_BROW]);
-    }
+    plan_heads(chan, q + b * hkv * g * d, PTR(const float, t[F_BOUNDS]), hkv, g, d, r, t[F_PAGES], t[F_BHEAD],
+               t[F_BROW]);
 }
 
 /* One layer's decode step for n sessions: table (n, fields) int64; q/out (n, Hkv, G, d);
