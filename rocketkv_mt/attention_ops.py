@@ -4,8 +4,9 @@ On CUDA no path builds a mask or a (rows x keys) score matrix: a turn over a con
 causal with an offset (query i of n sits at position L - n + i), which flash attention runs as a
 bottom-right causal mask with the GQA group handled by the kernel; where flash cannot take the call
 (fp32, an older torch) and for slots stored in any order, the Triton kernel ``kernels.attend_rows``
-streams the keys with an online softmax. On CPU the rows go through SDPA in blocks with an explicit
-boolean mask, which bounds the scores to one block. ``prefill_scratch_bytes`` says what each path
+streams the keys with an online softmax. On CPU a few rows (a chunk) go through the native kernel,
+which does the same on the CPU; more rows go through SDPA in blocks with an explicit boolean mask,
+which bounds the scores to one block. ``prefill_scratch_bytes`` says what each path
 allocates besides its output, for the device-memory bound.
 
 Shapes: Hq query heads, Hkv KV heads, G = Hq / Hkv, n queries, L (or T) keys, d head dim.
@@ -21,6 +22,10 @@ from rocketkv_mt import dispatch
 
 # Query rows per SDPA call on CPU: bounds the (rows x keys) score buffer on long prompts.
 PREFILL_ROWS = 1024
+# Up to this many query rows, a CPU prefill attends on the native kernel (``native/attend_rows.c``):
+# a chunk fed beside decode tokens, over a long history, where SDPA with a mask ran at 15-30 GFLOPS.
+# Longer prefills keep SDPA, which uses every intra-op thread (the kernel runs on one).
+NATIVE_ROWS = 64
 
 
 def dense_attention(
@@ -48,6 +53,8 @@ def dense_attention(
         return causal_sdpa(q, keys, values, scaling)
     if dispatch.uses_triton(backend, q):
         return dispatch.attend_rows(q, keys, values, scaling, q_offset=length - n)[0]
+    if n <= NATIVE_ROWS and dispatch.native_takes_rows(backend, q, keys, values):
+        return dispatch.causal_rows(q, keys, values, scaling)
     return _masked_rows(q, keys, values, scaling)
 
 

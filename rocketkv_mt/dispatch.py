@@ -17,6 +17,7 @@ import torch
 
 from . import hsa, pool_mass as torch_pool_mass, stage1
 from . import reselect as _reselect
+from .native import attend_rows as native_rows
 from .native import hsa as native_hsa
 from .native import pool_mass as native_pool_mass
 from .native import softmax_rows as native_softmax
@@ -57,6 +58,18 @@ def attend_rows(
     (q (Hq, n, d), keys/values (Hkv, T, d) -> out (Hq, n, d), lse (Hq, n)); CUDA tensors, or CPU ones
     when the kernels are interpreted. Callers check ``uses_triton`` first."""
     return _kernels().attend_rows(q, keys, values, scaling, **where)
+
+
+def native_takes_rows(backend: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether ``causal_rows`` runs these CPU tensors on the native C kernel (float32, each head's key
+    rows contiguous, head dim 64 or 128), where it is allowed and builds here."""
+    return backend in ("auto", "native") and native_rows.supports(q, keys, values)
+
+
+def causal_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``attention_ops.dense_attention`` of CPU tensors on the native kernel: q (Hq, n, d) the last n of
+    the L keys' queries, keys/values (Hkv, L, d) -> (Hq, n, d). Callers check ``native_takes_rows``."""
+    return native_rows.attend_rows(q, keys, values, scaling)
 
 
 def page_scores(

@@ -20,6 +20,7 @@ class LayerKV:
         self._k = torch.empty(num_kv_heads, 0, head_dim, dtype=dtype, device=device)
         self._v = torch.empty_like(self._k)
         self._pos = torch.empty(num_kv_heads, 0, dtype=torch.long, device=device)
+        self._clean = 0  # slots below this hold written tokens or zeros (``_zero_ahead``)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -34,21 +35,38 @@ class LayerKV:
         return self._pos[:, : self.length]
 
     def reserve(self, total: int) -> None:
-        """Make the buffers hold ``total`` tokens (plus the slack) without moving them again."""
+        """Make the buffers hold ``total`` tokens (plus the slack) without moving them again; the next
+        token may be written in place (``appended``)."""
         self._reserve(total)
+        self._zero_ahead(min(total, self.length + 1) + self.SLACK)
 
     def _reserve(self, total: int) -> None:
         cap = self._k.shape[1]
-        if total + self.SLACK <= cap:
-            return
-        new_cap = max(total + self.SLACK, cap + cap // 2, cap + self.chunk)
-        new_cap = -(-new_cap // self.chunk) * self.chunk
+        if total + self.SLACK > cap:
+            new_cap = max(total + self.SLACK, cap + cap // 2, cap + self.chunk)
+            self._move(-(-new_cap // self.chunk) * self.chunk)
+
+    def _move(self, new_cap: int) -> None:
+        """Into buffers of ``new_cap`` tokens, the kept ones copied. Their other slots are left
+        unwritten (``_zero_ahead``): zeroing a long prefill's whole reservation at once took most of a
+        second on a VM where every fresh page faults, and the chunk that reserves it waits for that."""
         for name in ("_k", "_v", "_pos"):
             old = getattr(self, name)
-            # Zeros, not garbage: HSA reads a partial last page whole (masked), and NaN * 0 would leak.
-            buf = old.new_zeros(old.shape[0], new_cap, *old.shape[2:])
+            buf = old.new_empty(old.shape[0], new_cap, *old.shape[2:])
             buf[:, : self.length] = old[:, : self.length]
             setattr(self, name, buf)
+        self._clean = self.length
+
+    def _zero_ahead(self, need: int) -> None:
+        """Make slots up to ``need`` hold written tokens or zeros, not garbage: HSA reads a partial last
+        page whole (masked), and NaN * 0 would leak. Zeroed a chunk of slots at a time, so that the
+        appends of a decode or of a chunked prefill rarely zero anything."""
+        if need <= self._clean:
+            return
+        stop = min(self._k.shape[1], max(need, self._clean + self.chunk))
+        for buf in (self._k, self._v, self._pos):
+            buf[:, self._clean : stop] = 0
+        self._clean = stop
 
     @property
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +93,8 @@ class LayerKV:
         self._v[:, self.length : end] = v
         self._pos[:, self.length : end] = positions
         self.length = end
+        self._clean = max(self._clean, end)
+        self._zero_ahead(end + self.SLACK)
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep only tokens idx (Hkv, m) (indices into the current kept tokens, ascending), compacted."""
@@ -109,12 +129,8 @@ class LayerKV:
         cap, need = self._k.shape[1], self.length + self.SLACK
         if cap <= 2 * need or cap - need < self.chunk:
             return
-        new_cap = -(-(need + self.chunk // 2) // self.chunk) * self.chunk
-        for name in ("_k", "_v", "_pos"):
-            old = getattr(self, name)
-            buf = old.new_zeros(old.shape[0], new_cap, *old.shape[2:])
-            buf[:, : self.length] = old[:, : self.length]
-            setattr(self, name, buf)
+        self._move(-(-(need + self.chunk // 2) // self.chunk) * self.chunk)
+        self._zero_ahead(need)
 
     def nbytes(self) -> int:
         """Bytes of the kept keys and values (what the session needs, not the spare capacity)."""

@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("hsa_decode.c", "pool_mass.c", "stage1_choose.c",
-                                                             "softmax_rows.c"))
+                                                             "softmax_rows.c", "attend_rows.c"))
 # Fast math at compile time only (it vectorises expf): linking with it would switch the whole process
 # to flush-to-zero on some toolchains. The kernel never relies on inf or NaN.
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-ffast-math")
@@ -93,6 +93,10 @@ def library() -> ctypes.CDLL | None:
     fn = lib.rkv_softmax_rows
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    fn = lib.rkv_attend_rows
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [
+        ctypes.c_float, ctypes.c_void_p]
     return lib
 
 

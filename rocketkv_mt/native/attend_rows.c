@@ -1,0 +1,215 @@
+/* Causal attention of a few query rows over a long contiguous history, float32, on the CPU.
+ *
+ * rocketkv_mt.attention_ops.dense_attention for a prefill chunk: n new queries (n small: a chunk fed
+ * beside other sessions' decode tokens) over the L keys of the history and themselves. Through
+ * SDPA with a mask, or through two batched products, that ran at 15-30 GFLOPS here: the products'
+ * inner dimension is only the head dim, the (rows x L) logits go to memory and back, and a fresh
+ * logits buffer is faulted in on every call. This kernel streams the keys in blocks of 64 that stay
+ * in L1, with an online softmax, and takes a KV head's G query heads as G*n rows over each block, a
+ * tile of rows at a time with its partial products in registers (GCC vector extensions: 16 floats a
+ * vector, whatever SIMD width the machine has).
+ *
+ * Shapes (float32): Hkv KV heads, G query heads per KV head, n query rows, d head dim (64 or 128),
+ * L keys.
+ *   q       (Hkv * G, n, d) contiguous; query i sits at position q_offset + i and sees keys
+ *           0..q_offset + i (q_offset = L - n for a turn's last n tokens)
+ *   keys    head h's key j at keys + h * head_stride + j * d; values likewise
+ *   out     (Hkv * G, n, d) contiguous
+ * Returns 0, or -1 for a head dim it does not take.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(64), aligned(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4))); /* an unaligned load or store */
+typedef int vi __attribute__((vector_size(64)));
+
+#define BLOCK 64   /* keys per block */
+#define AHEAD 2    /* blocks between the one computed and the one prefetched */
+#define KV (BLOCK / 16)
+#define MAX_D 128
+#define MAX_ROWS 16 /* rows of a tile: TILE_VECTORS / (d / 16) */
+#define TILE_VECTORS 16
+#define HIDDEN (-1e30f)
+#define FLOOR (-80.f) /* see softmax_rows.c: expf's fast path; exp(-80) is below a row sum's resolution */
+
+/* The logits of R rows of q against a block's keys, transposed (kt[c * BLOCK + b]), into s[r][b]. */
+static inline __attribute__((always_inline)) void tile_logits(const float *restrict q, int64_t d, const int R,
+                                                             const float *restrict kt, float scaling,
+                                                             float s[][BLOCK]) {
+    vf acc[MAX_ROWS][KV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < KV; v++) acc[r][v] = (vf){0};
+    for (int64_t c = 0; c < d; c++) {
+        const vf *kc = (const vf *)(kt + c * BLOCK);
+        vf k[KV];
+        for (int v = 0; v < KV; v++) k[v] = kc[v];
+        for (int r = 0; r < R; r++) {
+            const float qc = q[r * d + c];
+            for (int v = 0; v < KV; v++) acc[r][v] += qc * k[v];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < KV; v++) *(vf *)(s[r] + 16 * v) = acc[r][v] * scaling;
+}
+
+/* o[r] += sum_b p[r][b] * values[b] for R rows of DV vectors, over nb keys; o is read and written once. */
+static inline __attribute__((always_inline)) void tile_values(float *restrict o, const int DV, const int R,
+                                                             const float *restrict vb, int64_t nb,
+                                                             float p[][BLOCK]) {
+    vf acc[MAX_ROWS][MAX_D / 16];
+    const int64_t d = 16 * DV;
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < DV; v++) acc[r][v] = *(const vfu *)(o + r * d + 16 * v);
+    for (int64_t b = 0; b < nb; b++) {
+        vf x[MAX_D / 16];
+        for (int v = 0; v < DV; v++) x[v] = *(const vfu *)(vb + b * d + 16 * v);
+        for (int r = 0; r < R; r++) {
+            const float pb = p[r][b];
+            for (int v = 0; v < DV; v++) acc[r][v] += pb * x[v];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < DV; v++) *(vfu *)(o + r * d + 16 * v) = acc[r][v];
+}
+
+/* The 16 x 16 block x[i][j] -> x[j][i], as four rounds that swap the off-diagonal h x h blocks of
+ * each pair of rows (i, i + h), h = 8, 4, 2, 1. */
+#define SWAP_ROUND(h)                                                                                 \
+    for (int i = 0; i < 16; i++)                                                                      \
+        if (!(i & (h))) {                                                                             \
+            const vi lo = {SEL_LO(h, 0),  SEL_LO(h, 1),  SEL_LO(h, 2),  SEL_LO(h, 3),                   \
+                           SEL_LO(h, 4),  SEL_LO(h, 5),  SEL_LO(h, 6),  SEL_LO(h, 7),                   \
+                           SEL_LO(h, 8),  SEL_LO(h, 9),  SEL_LO(h, 10), SEL_LO(h, 11),                  \
+                           SEL_LO(h, 12), SEL_LO(h, 13), SEL_LO(h, 14), SEL_LO(h, 15)};                 \
+            const vi hi = {SEL_HI(h, 0),  SEL_HI(h, 1),  SEL_HI(h, 2),  SEL_HI(h, 3),                   \
+                           SEL_HI(h, 4),  SEL_HI(h, 5),  SEL_HI(h, 6),  SEL_HI(h, 7),                   \
+                           SEL_HI(h, 8),  SEL_HI(h, 9),  SEL_HI(h, 10), SEL_HI(h, 11),                  \
+                           SEL_HI(h, 12), SEL_HI(h, 13), SEL_HI(h, 14), SEL_HI(h, 15)};                 \
+            const vf a = x[i], b = x[i + (h)];                                                        \
+            x[i] = __builtin_shuffle(a, b, lo);                                                       \
+            x[i + (h)] = __builtin_shuffle(a, b, hi);                                                 \
+        }
+/* Row i keeps its own columns j without bit h and takes row i + h's columns j - h for those with
+ * it; row i + h takes row i's columns j + h and keeps its own (16 + j: the second operand). */
+#define SEL_LO(h, j) (((j) & (h)) ? 16 + (j) - (h) : (j))
+#define SEL_HI(h, j) (((j) & (h)) ? 16 + (j) : (j) + (h))
+
+static inline __attribute__((always_inline)) void transpose16(vf x[16]) {
+    SWAP_ROUND(8)
+    SWAP_ROUND(4)
+    SWAP_ROUND(2)
+    SWAP_ROUND(1)
+}
+
+/* kt[c * BLOCK + b] = k[b * d + c] for the block's nb keys (zeros past them), d = 16 * DV. */
+static inline __attribute__((always_inline)) void transpose_block(const float *restrict k, int64_t nb, const int DV,
+                                                                 float *restrict kt) {
+    const int64_t d = 16 * DV;
+    for (int kb = 0; kb < BLOCK / 16; kb++)
+        for (int cb = 0; cb < DV; cb++) {
+            vf x[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t b = 16 * kb + i;
+                x[i] = b < nb ? *(const vfu *)(k + b * d + 16 * cb) : (vf){0};
+            }
+            transpose16(x);
+            for (int i = 0; i < 16; i++) *(vf *)(kt + (16 * cb + i) * BLOCK + 16 * kb) = x[i];
+        }
+}
+
+/* Ask for a later block's keys and values now: streamed from memory one block at a time, a few
+ * rows' arithmetic does not hide the wait (a 7k-token history: 2.9 GB/s read without this). */
+static inline void prefetch_block(const float *kh, const float *vh, int64_t j, int64_t end, int64_t d) {
+    if (j >= end) return;
+    const int64_t stop = (j + BLOCK < end ? j + BLOCK : end) * d;
+    for (int64_t i = j * d; i < stop; i += 16) {
+        __builtin_prefetch(kh + i, 0, 3);
+        __builtin_prefetch(vh + i, 0, 3);
+    }
+}
+
+/* Turn a tile's logits into softmax numerators against each row's running max, rescaling what the
+ * row holds when the max grows; the keys a row does not see (past its position) count as hidden. */
+static void tile_softmax(float s[][BLOCK], int R, int64_t first_row, int64_t n, int64_t visible_from,
+                         int64_t nb, float *m, float *l, float *o, int64_t d) {
+    for (int r = 0; r < R; r++) {
+        const int64_t row = first_row + r;
+        int64_t see = visible_from + row % n; /* keys of the block this row sees */
+        see = see < 0 ? 0 : see < nb ? see : nb;
+        float *x = s[r];
+        for (int64_t b = see; b < BLOCK; b++) x[b] = HIDDEN;
+        float mb = m[row];
+        for (int64_t b = 0; b < see; b++) mb = x[b] > mb ? x[b] : mb;
+        if (mb > m[row]) {
+            const float f = expf(fmaxf(m[row] - mb, FLOOR));
+            l[row] *= f;
+            for (int64_t c = 0; c < d; c++) o[r * d + c] *= f;
+            m[row] = mb;
+        }
+        float sum = 0.f;
+        for (int b = 0; b < BLOCK; b++) {
+            const float e = x[b] < HIDDEN * 0.5f ? 0.f : expf(fmaxf(x[b] - mb, FLOOR));
+            x[b] = e;
+            sum += e;
+        }
+        l[row] += sum;
+    }
+}
+
+static inline __attribute__((always_inline)) void head_rows(const float *restrict qh, const float *restrict kh,
+                                                           const float *restrict vh, int64_t rows, int64_t n,
+                                                           const int DV, int64_t length, int64_t q_offset,
+                                                           float scaling, float *restrict oh) {
+    const int64_t d = 16 * DV;
+    const int R = TILE_VECTORS / DV;
+    float kt[MAX_D * BLOCK] __attribute__((aligned(64)));
+    float s[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
+    float m[rows], l[rows];
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = -FLT_MAX;
+        l[r] = 0.f;
+    }
+    memset(oh, 0, (size_t)(rows * d) * sizeof(float));
+    const int64_t end = q_offset + n < length ? q_offset + n : length; /* keys any row sees */
+    for (int64_t j0 = 0; j0 < end; j0 += BLOCK) {
+        const int64_t nb = end - j0 < BLOCK ? end - j0 : BLOCK;
+        prefetch_block(kh, vh, j0 + AHEAD * BLOCK, end, d);
+        transpose_block(kh + j0 * d, nb, DV, kt);
+        const float *vb = vh + j0 * d;
+        const int64_t visible_from = q_offset + 1 - j0;
+        int64_t r0 = 0;
+        for (; r0 + R <= rows; r0 += R) {
+            tile_logits(qh + r0 * d, d, R, kt, scaling, s);
+            tile_softmax(s, R, r0, n, visible_from, nb, m, l, oh + r0 * d, d);
+            tile_values(oh + r0 * d, DV, R, vb, nb, s);
+        }
+        for (; r0 < rows; r0++) { /* the rows left over, one at a time */
+            tile_logits(qh + r0 * d, d, 1, kt, scaling, s);
+            tile_softmax(s, 1, r0, n, visible_from, nb, m, l, oh + r0 * d, d);
+            tile_values(oh + r0 * d, DV, 1, vb, nb, s);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t c = 0; c < d; c++) oh[r * d + c] *= inv;
+    }
+}
+
+int rkv_attend_rows(const float *q, int64_t hkv, int64_t g, int64_t n, int64_t d,
+                    const float *keys, const float *values, int64_t head_stride, int64_t length,
+                    int64_t q_offset, float scaling, float *out) {
+    if (d != 64 && d != 128) return -1;
+    const int64_t rows = g * n;
+    for (int64_t h = 0; h < hkv; h++) {
+        const float *qh = q + h * rows * d, *kh = keys + h * head_stride, *vh = values + h * head_stride;
+        float *oh = out + h * rows * d;
+        if (d == 64)
+            head_rows(qh, kh, vh, rows, n, 4, length, q_offset, scaling, oh);
+        else
+            head_rows(qh, kh, vh, rows, n, 8, length, q_offset, scaling, oh);
+    }
+    return 0;
+}

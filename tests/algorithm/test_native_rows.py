@@ -1,0 +1,102 @@
+"""The native causal attention of a few rows over a contiguous history (``native/attend_rows.c``):
+equal to the masked SDPA it replaces for prefill chunks on the CPU, for tiles of rows and blocks of
+keys cut anywhere, over key rows that are views into a longer store buffer."""
+import pytest
+import torch
+
+from rocketkv_mt import attention_ops, dispatch
+from rocketkv_mt.attention_ops import dense_attention
+from rocketkv_mt.cache.store import LayerKV
+from rocketkv_mt.native import available
+
+from test_prefill_attention import reference_dense
+
+pytestmark = pytest.mark.skipif(not available(), reason="no C compiler here")
+
+
+def stored(hkv, length, d, gen, spare=37, fill=0.0):
+    """Keys and values as a store holds them: (Hkv, L, d) views into (Hkv, L + spare, d) buffers."""
+    kb = torch.full((hkv, length + spare, d), fill)
+    vb = torch.full((hkv, length + spare, d), fill)
+    kb[:, :length] = torch.randn(hkv, length, d, generator=gen)
+    vb[:, :length] = torch.randn(hkv, length, d, generator=gen)
+    return kb[:, :length], vb[:, :length]
+
+
+# (Hkv, G, n, L, d): rows G*n not a multiple of the tile (4 at d 64, 2 at d 128), keys not a multiple
+# of the 64-key block, chunks over long histories, a whole first turn (n = L), one row.
+SHAPES = [(3, 3, 8, 1000, 64), (2, 3, 5, 70, 64), (1, 4, 17, 130, 128), (3, 1, 64, 64, 64), (2, 2, 1, 300, 64),
+          (1, 3, 33, 65, 128), (2, 4, 3, 7, 64)]
+
+
+@pytest.mark.parametrize("hkv,g,n,length,d", SHAPES)
+def test_native_rows_equal_the_masked_reference(hkv, g, n, length, d):
+    gen = torch.Generator().manual_seed(length + n)
+    q = torch.randn(hkv * g, n, d, generator=gen)
+    keys, values = stored(hkv, length, d, gen)
+    assert dispatch.native_takes_rows("auto", q, keys, values)
+    torch.testing.assert_close(dispatch.causal_rows(q, keys, values, 0.125),
+                               reference_dense(q, keys, values, 0.125), atol=1e-5, rtol=0)
+
+
+def test_slots_past_the_history_are_never_read():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 8, 64, generator=gen)
+    keys, values = stored(2, 200, 64, gen, fill=float("nan"))
+    out = dispatch.causal_rows(q, keys, values, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference_dense(q, keys.clone(), values.clone(), 0.125), atol=1e-5, rtol=0)
+
+
+def test_dense_attention_takes_the_kernel_for_few_rows_only(monkeypatch):
+    calls = []
+    native = dispatch.causal_rows
+    monkeypatch.setattr(dispatch, "causal_rows", lambda *a: calls.append(a[0].shape[1]) or native(*a))
+    gen = torch.Generator().manual_seed(2)
+    keys, values = stored(2, 300, 64, gen)
+    for n in (8, attention_ops.NATIVE_ROWS, attention_ops.NATIVE_ROWS + 1):
+        q = torch.randn(4, n, 64, generator=gen)
+        torch.testing.assert_close(dense_attention(q, keys, values, 0.125), reference_dense(q, keys, values, 0.125),
+                                   atol=1e-5, rtol=0)
+    assert calls == [8, attention_ops.NATIVE_ROWS]
+    q = torch.randn(4, 8, 64, generator=gen)
+    dense_attention(q, keys, values, 0.125, backend="torch")
+    assert calls == [8, attention_ops.NATIVE_ROWS]  # the torch backend keeps SDPA
+
+
+def test_the_kernel_declines_what_it_cannot_take():
+    q, keys = torch.randn(4, 8, 32), torch.randn(2, 50, 32)
+    assert not dispatch.native_takes_rows("auto", q, keys, keys)  # head dim 32
+    q, keys = torch.randn(4, 8, 64, dtype=torch.float64), torch.randn(2, 50, 64, dtype=torch.float64)
+    assert not dispatch.native_takes_rows("auto", q, keys, keys)
+    q, keys = torch.randn(4, 8, 64), torch.randn(2, 64, 50).transpose(1, 2)  # key rows not contiguous
+    assert not dispatch.native_takes_rows("auto", q, keys, keys)
+
+
+def test_a_store_zeroes_the_slots_a_partial_page_reads_but_not_its_whole_reservation():
+    """A long prefill reserves its buffers at its first chunk; only the slack past the kept tokens is
+    zeroed then (the rest as appends reach it), and whatever the allocator left there never shows."""
+    store = LayerKV(2, 16, torch.float32, torch.device("cpu"), chunk=64)
+    store.append(torch.randn(2, 10, 16), torch.randn(2, 10, 16), torch.arange(10))
+    store.reserve(5000)
+    keys, values = store.buffers
+    assert keys.shape[1] >= 5000 + LayerKV.SLACK
+    assert store._clean < 1000  # noqa: SLF001 - what was zeroed up front
+    for buf in (*store.buffers, store.position_buffer):  # what fresh memory may hold past that
+        buf[:, store._clean :] = float("nan") if buf.is_floating_point() else -(2**62)  # noqa: SLF001
+    for i in range(300):
+        store.reserve(store.length + 1)
+        store.append(torch.randn(2, 1, 16), torch.randn(2, 1, 16), torch.tensor([10 + i]))
+        end = store.length + LayerKV.SLACK
+        assert (store.buffers[0][:, store.length : end] == 0).all()
+        assert (store.buffers[1][:, store.length : end] == 0).all()
+        assert (store.position_buffer[:, store.length : end] == 0).all()
+
+
+def test_a_store_keeps_every_appended_token_across_moves():
+    store = LayerKV(1, 4, torch.float32, torch.device("cpu"), chunk=16)
+    keys = torch.randn(1, 500, 4)
+    for start, n in [(0, 3), (3, 1), (4, 40), (44, 1), (45, 200), (245, 255)]:  # appends that outgrow the buffers
+        store.append(keys[:, start : start + n], keys[:, start : start + n], torch.arange(start, start + n))
+        assert torch.equal(store.positions[0], torch.arange(start + n))
+        assert torch.equal(store.keys, keys[:, : start + n])
