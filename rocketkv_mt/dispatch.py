@@ -1,10 +1,10 @@
 """Pick the Triton kernel, the native CPU kernel or the torch reference for each hot path, per call.
 
 Every function takes ``backend``: "auto" (Triton for CUDA tensors when triton is installed; for HSA's
-decode step, a sketch pool's mass and Stage 1's choice over slots on CPU tensors, the native C
-kernels when they build here; torch otherwise), "triton" (always the kernel; on CPU tensors only when
-TRITON_INTERPRET=1 was set before the kernels were first imported), "native" (those three on the C
-kernels, torch for the other paths) or "torch" (always the reference). The choice is an argument, not module state, so two engines with different
+decode step, a sketch pool's mass, Stage 1's choice over slots and a prefill chunk's attention on CPU
+tensors, the native C kernels when they build here; torch otherwise), "triton" (always the kernel; on
+CPU tensors only when TRITON_INTERPRET=1 was set before the kernels were first imported), "native"
+(those on the C kernels, torch for the other paths) or "torch" (always the reference). The choice is an argument, not module state, so two engines with different
 settings can share a process (the app passes its ``kernels`` setting).
 """
 from __future__ import annotations

@@ -5,7 +5,8 @@ arithmetic; ``hsa_decode.c`` does the same computation in one call, and one laye
 every decoding session (appends, KT, HSA or dense attention) in another. ``pool_mass.c`` sums the
 window mass of a tiered turn's sketched cold tokens in one pass per row of their logits,
 ``stage1_choose.c`` makes Stage 1's choice over slots in any order (twice a layer in a tiered turn),
-and ``softmax_rows.c`` takes the exponentials of a tiered turn's attention parts.
+``softmax_rows.c`` takes the exponentials of a tiered turn's attention parts, and ``attend_rows.c``
+the causal attention of a prefill chunk's few rows over the history.
 The shared library is built for this machine (``-march=native``) into the cache directory, under a
 name that hashes the sources, the flags and the CPU, so a copy built on another machine is never
 loaded. Where no compiler is found the loader returns None and callers keep the torch paths
