@@ -117,7 +117,7 @@ class LayerKV:
         self._shrink()
 
     def truncate(self, length: int) -> None:
-        """Drop the tokens appended after the first ``length`` (zeroed: see ``_reserve``)."""
+        """Drop the tokens appended after the first ``length`` (zeroed: see ``_zero_ahead``)."""
         for buf in (self._k, self._v, self._pos):
             buf[:, length : self.length] = 0
         self.length = length

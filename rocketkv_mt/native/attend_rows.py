@@ -29,8 +29,10 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scali
     hkv, length, _ = keys.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    library().rkv_attend_rows(
+    rc = library().rkv_attend_rows(
         q.data_ptr(), hkv, hq // hkv, n, d, keys.data_ptr(), values.data_ptr(), keys.stride(0), length,
         length - n, scaling, out.data_ptr(),
     )
+    if rc != 0:  # supports() keeps to the head dims it takes; a kernel that disagrees must not pass garbage on
+        raise ValueError(f"the native row attention does not take head dim {d}")
     return out
