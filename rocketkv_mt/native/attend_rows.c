@@ -6,8 +6,12 @@
  * inner dimension is only the head dim, the (rows x L) logits go to memory and back, and a fresh
  * logits buffer is faulted in on every call. This kernel streams the keys in blocks of 64 that stay
  * in L1, with an online softmax, and takes a KV head's G query heads as G*n rows over each block, a
- * tile of rows at a time with its partial products in registers (GCC vector extensions: 16 floats a
- * vector, whatever SIMD width the machine has).
+ * tile of ROWS rows at a time.
+ *
+ * Vectors are GCC vector extensions of VW floats, the machine's SIMD width (16 with AVX-512, else
+ * 8), and a tile's partial products are register-blocked to what the machine holds (32 or 16 vector
+ * registers): a 64-byte vector on a 16-register AVX2 machine spilled every accumulator and ran this
+ * kernel 6x slower than SDPA.
  *
  * Shapes (float32): Hkv KV heads, G query heads per KV head, n query rows, d head dim (64 or 128),
  * L keys.
@@ -22,101 +26,114 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float vf __attribute__((vector_size(64), aligned(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4))); /* an unaligned load or store */
-typedef int vi __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+#define VW 16 /* floats a vector */
+#define LOGIT_VECS 4 /* key vectors of a tile's logits accumulated at once: ROWS x this registers */
+#define VALUE_VECS 4 /* output vectors of a tile's values accumulated at once */
+#else
+#define VW 8
+#define LOGIT_VECS 2
+#define VALUE_VECS 2
+#endif
+typedef float vf __attribute__((vector_size(4 * VW), aligned(4 * VW)));
+typedef float vfu __attribute__((vector_size(4 * VW), aligned(4))); /* an unaligned load or store */
+typedef int vi __attribute__((vector_size(4 * VW)));
 
 #define BLOCK 64   /* keys per block */
 #define AHEAD 2    /* blocks between the one computed and the one prefetched */
-#define KV (BLOCK / 16)
+#define KV (BLOCK / VW)
 #define MAX_D 128
-#define MAX_ROWS 16 /* rows of a tile: TILE_VECTORS / (d / 16) */
-#define TILE_VECTORS 16
+#define ROWS 4 /* query rows of a tile (the tail of fewer: see head_rows) */
 #define HIDDEN (-1e30f)
 #define FLOOR (-80.f) /* see softmax_rows.c: expf's fast path; exp(-80) is below a row sum's resolution */
 
 /* The logits of R rows of q against a block's keys, transposed (kt[c * BLOCK + b]), into s[r][b]. */
-static inline __attribute__((always_inline)) void tile_logits(const float *restrict q, int64_t d, const int R,
+static inline __attribute__((always_inline)) void tile_logits(const float *restrict q, const int d, const int R,
                                                              const float *restrict kt, float scaling,
                                                              float s[][BLOCK]) {
-    vf acc[MAX_ROWS][KV];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < KV; v++) acc[r][v] = (vf){0};
-    for (int64_t c = 0; c < d; c++) {
-        const vf *kc = (const vf *)(kt + c * BLOCK);
-        vf k[KV];
-        for (int v = 0; v < KV; v++) k[v] = kc[v];
-        for (int r = 0; r < R; r++) {
-            const float qc = q[r * d + c];
-            for (int v = 0; v < KV; v++) acc[r][v] += qc * k[v];
+    for (int v0 = 0; v0 < KV; v0 += LOGIT_VECS) {
+        vf acc[ROWS][LOGIT_VECS];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < LOGIT_VECS; v++) acc[r][v] = (vf){0};
+        for (int c = 0; c < d; c++) {
+            const vf *kc = (const vf *)(kt + c * BLOCK) + v0;
+            vf k[LOGIT_VECS];
+            for (int v = 0; v < LOGIT_VECS; v++) k[v] = kc[v];
+            for (int r = 0; r < R; r++) {
+                const float qc = q[r * d + c];
+                for (int v = 0; v < LOGIT_VECS; v++) acc[r][v] += qc * k[v];
+            }
         }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < LOGIT_VECS; v++) *(vf *)(s[r] + VW * (v0 + v)) = acc[r][v] * scaling;
     }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < KV; v++) *(vf *)(s[r] + 16 * v) = acc[r][v] * scaling;
 }
 
-/* o[r] += sum_b p[r][b] * values[b] for R rows of DV vectors, over nb keys; o is read and written once. */
-static inline __attribute__((always_inline)) void tile_values(float *restrict o, const int DV, const int R,
+/* o[r] += sum_b p[r][b] * values[b] for R rows of d floats, over nb keys; o is read and written once. */
+static inline __attribute__((always_inline)) void tile_values(float *restrict o, const int d, const int R,
                                                              const float *restrict vb, int64_t nb,
                                                              float p[][BLOCK]) {
-    vf acc[MAX_ROWS][MAX_D / 16];
-    const int64_t d = 16 * DV;
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < DV; v++) acc[r][v] = *(const vfu *)(o + r * d + 16 * v);
-    for (int64_t b = 0; b < nb; b++) {
-        vf x[MAX_D / 16];
-        for (int v = 0; v < DV; v++) x[v] = *(const vfu *)(vb + b * d + 16 * v);
-        for (int r = 0; r < R; r++) {
-            const float pb = p[r][b];
-            for (int v = 0; v < DV; v++) acc[r][v] += pb * x[v];
+    for (int v0 = 0; v0 < d / VW; v0 += VALUE_VECS) {
+        vf acc[ROWS][VALUE_VECS];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < VALUE_VECS; v++) acc[r][v] = *(const vfu *)(o + r * d + VW * (v0 + v));
+        for (int64_t b = 0; b < nb; b++) {
+            vf x[VALUE_VECS];
+            for (int v = 0; v < VALUE_VECS; v++) x[v] = *(const vfu *)(vb + b * d + VW * (v0 + v));
+            for (int r = 0; r < R; r++) {
+                const float pb = p[r][b];
+                for (int v = 0; v < VALUE_VECS; v++) acc[r][v] += pb * x[v];
+            }
         }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < VALUE_VECS; v++) *(vfu *)(o + r * d + VW * (v0 + v)) = acc[r][v];
     }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < DV; v++) *(vfu *)(o + r * d + 16 * v) = acc[r][v];
 }
 
-/* The 16 x 16 block x[i][j] -> x[j][i], as four rounds that swap the off-diagonal h x h blocks of
- * each pair of rows (i, i + h), h = 8, 4, 2, 1. */
+/* The VW x VW block x[i][j] -> x[j][i], as rounds that swap the off-diagonal h x h blocks of each
+ * pair of rows (i, i + h), h = VW / 2 .. 1. Row i keeps its own columns j without bit h and takes
+ * row i + h's columns j - h for those with it; row i + h takes row i's columns j + h and keeps its
+ * own (VW + j: the second operand). */
+#define SEL_LO(h, j) (((j) & (h)) ? VW + (j) - (h) : (j))
+#define SEL_HI(h, j) (((j) & (h)) ? VW + (j) : (j) + (h))
+#if VW == 16
+#define LANES(S, h)                                                                                   \
+    {S(h, 0), S(h, 1), S(h, 2),  S(h, 3),  S(h, 4),  S(h, 5),  S(h, 6),  S(h, 7),                       \
+     S(h, 8), S(h, 9), S(h, 10), S(h, 11), S(h, 12), S(h, 13), S(h, 14), S(h, 15)}
+#else
+#define LANES(S, h) {S(h, 0), S(h, 1), S(h, 2), S(h, 3), S(h, 4), S(h, 5), S(h, 6), S(h, 7)}
+#endif
 #define SWAP_ROUND(h)                                                                                 \
-    for (int i = 0; i < 16; i++)                                                                      \
-        if (!(i & (h))) {                                                                             \
-            const vi lo = {SEL_LO(h, 0),  SEL_LO(h, 1),  SEL_LO(h, 2),  SEL_LO(h, 3),                   \
-                           SEL_LO(h, 4),  SEL_LO(h, 5),  SEL_LO(h, 6),  SEL_LO(h, 7),                   \
-                           SEL_LO(h, 8),  SEL_LO(h, 9),  SEL_LO(h, 10), SEL_LO(h, 11),                  \
-                           SEL_LO(h, 12), SEL_LO(h, 13), SEL_LO(h, 14), SEL_LO(h, 15)};                 \
-            const vi hi = {SEL_HI(h, 0),  SEL_HI(h, 1),  SEL_HI(h, 2),  SEL_HI(h, 3),                   \
-                           SEL_HI(h, 4),  SEL_HI(h, 5),  SEL_HI(h, 6),  SEL_HI(h, 7),                   \
-                           SEL_HI(h, 8),  SEL_HI(h, 9),  SEL_HI(h, 10), SEL_HI(h, 11),                  \
-                           SEL_HI(h, 12), SEL_HI(h, 13), SEL_HI(h, 14), SEL_HI(h, 15)};                 \
-            const vf a = x[i], b = x[i + (h)];                                                        \
-            x[i] = __builtin_shuffle(a, b, lo);                                                       \
-            x[i + (h)] = __builtin_shuffle(a, b, hi);                                                 \
-        }
-/* Row i keeps its own columns j without bit h and takes row i + h's columns j - h for those with
- * it; row i + h takes row i's columns j + h and keeps its own (16 + j: the second operand). */
-#define SEL_LO(h, j) (((j) & (h)) ? 16 + (j) - (h) : (j))
-#define SEL_HI(h, j) (((j) & (h)) ? 16 + (j) : (j) + (h))
+    if ((h) < VW)                                                                                     \
+        for (int i = 0; i < VW; i++)                                                                  \
+            if (!(i & (h))) {                                                                         \
+                const vi lo = LANES(SEL_LO, h), hi = LANES(SEL_HI, h);                                \
+                const vf a = x[i], b = x[i + (h)];                                                    \
+                x[i] = __builtin_shuffle(a, b, lo);                                                   \
+                x[i + (h)] = __builtin_shuffle(a, b, hi);                                             \
+            }
 
-static inline __attribute__((always_inline)) void transpose16(vf x[16]) {
+static inline __attribute__((always_inline)) void transpose_vw(vf x[VW]) {
+#if VW == 16
     SWAP_ROUND(8)
+#endif
     SWAP_ROUND(4)
     SWAP_ROUND(2)
     SWAP_ROUND(1)
 }
 
-/* kt[c * BLOCK + b] = k[b * d + c] for the block's nb keys (zeros past them), d = 16 * DV. */
-static inline __attribute__((always_inline)) void transpose_block(const float *restrict k, int64_t nb, const int DV,
+/* kt[c * BLOCK + b] = k[b * d + c] for the block's nb keys (zeros past them). */
+static inline __attribute__((always_inline)) void transpose_block(const float *restrict k, int64_t nb, const int d,
                                                                  float *restrict kt) {
-    const int64_t d = 16 * DV;
-    for (int kb = 0; kb < BLOCK / 16; kb++)
-        for (int cb = 0; cb < DV; cb++) {
-            vf x[16];
-            for (int i = 0; i < 16; i++) {
-                const int64_t b = 16 * kb + i;
-                x[i] = b < nb ? *(const vfu *)(k + b * d + 16 * cb) : (vf){0};
+    for (int kb = 0; kb < KV; kb++)
+        for (int cb = 0; cb < d / VW; cb++) {
+            vf x[VW];
+            for (int i = 0; i < VW; i++) {
+                const int64_t b = VW * kb + i;
+                x[i] = b < nb ? *(const vfu *)(k + b * d + VW * cb) : (vf){0};
             }
-            transpose16(x);
-            for (int i = 0; i < 16; i++) *(vf *)(kt + (16 * cb + i) * BLOCK + 16 * kb) = x[i];
+            transpose_vw(x);
+            for (int i = 0; i < VW; i++) *(vf *)(kt + (VW * cb + i) * BLOCK + VW * kb) = x[i];
         }
 }
 
@@ -159,14 +176,23 @@ static void tile_softmax(float s[][BLOCK], int R, int64_t first_row, int64_t n, 
     }
 }
 
+/* One tile of R rows (from first_row) over a block: logits, softmax numerators, values. */
+static inline __attribute__((always_inline)) void tile(const float *restrict qh, const float *restrict vb,
+                                                      float *restrict oh, const int d, const int R,
+                                                      int64_t first_row, int64_t n, int64_t visible_from,
+                                                      int64_t nb, const float *restrict kt, float scaling,
+                                                      float s[][BLOCK], float *m, float *l) {
+    tile_logits(qh + first_row * d, d, R, kt, scaling, s);
+    tile_softmax(s, R, first_row, n, visible_from, nb, m, l, oh + first_row * d, d);
+    tile_values(oh + first_row * d, d, R, vb, nb, s);
+}
+
 static inline __attribute__((always_inline)) void head_rows(const float *restrict qh, const float *restrict kh,
                                                            const float *restrict vh, int64_t rows, int64_t n,
-                                                           const int DV, int64_t length, int64_t q_offset,
+                                                           const int d, int64_t length, int64_t q_offset,
                                                            float scaling, float *restrict oh) {
-    const int64_t d = 16 * DV;
-    const int R = TILE_VECTORS / DV;
     float kt[MAX_D * BLOCK] __attribute__((aligned(64)));
-    float s[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
+    float s[ROWS][BLOCK] __attribute__((aligned(64)));
     float m[rows], l[rows];
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -FLT_MAX;
@@ -177,19 +203,15 @@ static inline __attribute__((always_inline)) void head_rows(const float *restric
     for (int64_t j0 = 0; j0 < end; j0 += BLOCK) {
         const int64_t nb = end - j0 < BLOCK ? end - j0 : BLOCK;
         prefetch_block(kh, vh, j0 + AHEAD * BLOCK, end, d);
-        transpose_block(kh + j0 * d, nb, DV, kt);
+        transpose_block(kh + j0 * d, nb, d, kt);
         const float *vb = vh + j0 * d;
         const int64_t visible_from = q_offset + 1 - j0;
         int64_t r0 = 0;
-        for (; r0 + R <= rows; r0 += R) {
-            tile_logits(qh + r0 * d, d, R, kt, scaling, s);
-            tile_softmax(s, R, r0, n, visible_from, nb, m, l, oh + r0 * d, d);
-            tile_values(oh + r0 * d, DV, R, vb, nb, s);
-        }
-        for (; r0 < rows; r0++) { /* the rows left over, one at a time */
-            tile_logits(qh + r0 * d, d, 1, kt, scaling, s);
-            tile_softmax(s, 1, r0, n, visible_from, nb, m, l, oh + r0 * d, d);
-            tile_values(oh + r0 * d, DV, 1, vb, nb, s);
+        for (; r0 + ROWS <= rows; r0 += ROWS) tile(qh, vb, oh, d, ROWS, r0, n, visible_from, nb, kt, scaling, s, m, l);
+        switch (rows - r0) { /* the rows left over as one tile of a size known here */
+        case 3: tile(qh, vb, oh, d, 3, r0, n, visible_from, nb, kt, scaling, s, m, l); break;
+        case 2: tile(qh, vb, oh, d, 2, r0, n, visible_from, nb, kt, scaling, s, m, l); break;
+        case 1: tile(qh, vb, oh, d, 1, r0, n, visible_from, nb, kt, scaling, s, m, l); break;
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -207,9 +229,9 @@ int rkv_attend_rows(const float *q, int64_t hkv, int64_t g, int64_t n, int64_t d
         const float *qh = q + h * rows * d, *kh = keys + h * head_stride, *vh = values + h * head_stride;
         float *oh = out + h * rows * d;
         if (d == 64)
-            head_rows(qh, kh, vh, rows, n, 4, length, q_offset, scaling, oh);
+            head_rows(qh, kh, vh, rows, n, 64, length, q_offset, scaling, oh);
         else
-            head_rows(qh, kh, vh, rows, n, 8, length, q_offset, scaling, oh);
+            head_rows(qh, kh, vh, rows, n, 128, length, q_offset, scaling, oh);
     }
     return 0;
 }

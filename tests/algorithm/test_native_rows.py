@@ -23,10 +23,10 @@ def stored(hkv, length, d, gen, spare=37, fill=0.0):
     return kb[:, :length], vb[:, :length]
 
 
-# (Hkv, G, n, L, d): rows G*n not a multiple of the tile (4 at d 64, 2 at d 128), keys not a multiple
+# (Hkv, G, n, L, d): rows G*n a multiple of the 4-row tile and 1, 2 or 3 past one, keys not a multiple
 # of the 64-key block, chunks over long histories, a whole first turn (n = L), one row.
 SHAPES = [(3, 3, 8, 1000, 64), (2, 3, 5, 70, 64), (1, 4, 17, 130, 128), (3, 1, 64, 64, 64), (2, 2, 1, 300, 64),
-          (1, 3, 33, 65, 128), (2, 4, 3, 7, 64)]
+          (1, 3, 33, 65, 128), (2, 4, 3, 7, 64), (1, 1, 5, 90, 128)]
 
 
 @pytest.mark.parametrize("hkv,g,n,length,d", SHAPES)
