@@ -19,7 +19,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from api.server import build_service, served_model_name, with_stats_route
+from api.server import build_service, freeze_long_lived, served_model_name, with_stats_route
 from app.contract.events import TurnStarted
 from app.contract.service import HOLDING_VERBS, VERBS, outcome
 from app.settings import ServerSettings
@@ -41,6 +41,7 @@ class ChatReplica:
         for key, value in WORKER_ENV.items():
             os.environ.setdefault(key, value)
         self.service = build_service(ServerSettings(**settings), replica_name())
+        freeze_long_lived()  # a replica is a process of its own
 
     async def check_health(self) -> None:
         # Serve calls this periodically from the replica's loop: a replica that has not served

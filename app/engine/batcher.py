@@ -71,6 +71,7 @@ SELECT_FRACTION = 0.5  # a slice of a chunked prefill's deferred selection: abou
 SELECT_MIN_S = 0.005
 MIN_CHUNK = 8  # fewest prefill tokens a chunk fed beside decode tokens carries
 DECODE_EMA = 0.3  # weight of the newest decode-only step in the running step time
+TOKEN_EMA = 0.5  # weight of the newest chunk in a chunked prefill's running cost per token
 
 
 class EngineClosed(RuntimeError):
@@ -255,7 +256,8 @@ class Batcher:
         # reserved device memory for that) is cut finer, and not while more turns wait for their first
         # token than sessions decode (a burst of new conversations).
         if chunked_head and len(ready) >= len(self._prefills):
-            budget = chunk_budget(self._decode_s, head.token_s or self._token_s, self.step_tokens, MIN_CHUNK)
+            budget = chunk_budget(self._decode_s, head.token_s or self._token_s, self.step_tokens, MIN_CHUNK,
+                                  head.last_chunk)
         batch = take(ready, self._prefills, budget, chunking=self.prefill_chunk > 0)
         if not batch and self._selecting:  # nobody to hold up: they select in this step, inline
             batch = take(self._selecting, deque(), self.step_tokens, chunking=False)
@@ -364,7 +366,11 @@ class Batcher:
         for r, s in batch:
             if s.prefill and s.rest:  # a chunk: what it cost a token, beyond the decode tokens beside it
                 extra = step_s - (self._decode_s if decoding else 0.0)
-                r.token_s = self._token_s = max(extra, 0.1 * step_s) / len(s.ids)
+                token_s = max(extra, 0.1 * step_s) / len(s.ids)
+                # A running mean over the prefill's chunks: one step's time on a noisy machine is not its cost.
+                r.token_s = token_s if r.token_s is None else (1 - TOKEN_EMA) * r.token_s + TOKEN_EMA * token_s
+                self._token_s = r.token_s
+                r.last_chunk = len(s.ids)
         st = self.stats
         st.steps += 1
         st.max_batch = max(st.max_batch, len(batch))

@@ -20,6 +20,8 @@ from app.engine.model_runner import Segment
 from app.engine.sampling import Sampler
 from rocketkv_mt.cache import SessionCache
 
+GROWTH = 1.5  # a chunk fed beside decode tokens is at most this many times the prefill's last chunk
+
 
 class PrefillAbandoned(RuntimeError):
     """A chunked prefill whose caller was cancelled, stopped between two chunks."""
@@ -46,7 +48,8 @@ class Request:
     sampler: Sampler | None = None  # how the token after its last id is drawn (on the model thread)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     fed: int = 0  # tokens of ``ids`` that earlier steps fed (a prefill in chunks)
-    token_s: float | None = None  # a prefill in chunks: seconds per token of its last chunk
+    token_s: float | None = None  # a prefill in chunks: seconds per token of its chunks (running)
+    last_chunk: int = 0  # a prefill in chunks: tokens of its last chunk
     abandoned: bool = False  # the caller was cancelled: a prefill in chunks stops at the next boundary
 
     def segment(self, n: int) -> Segment:
@@ -90,13 +93,17 @@ def piece(req: Request, budget: int, first: bool, chunking: bool) -> int:
     return left if first else 0
 
 
-def chunk_budget(decode_s: float, token_s: float | None, most: int, least: int) -> int:
+def chunk_budget(decode_s: float, token_s: float | None, most: int, least: int, last: int = 0) -> int:
     """Prefill tokens for a step that carries other sessions' decode tokens too: about as many as
     add ``decode_s`` (what a step of those decode tokens alone takes) at ``token_s`` seconds a
-    prefill token (measured on the prefill's last chunk; it grows with the history the chunk attends
-    to), within [least, most]. Unknown costs (no chunk fed yet, no decode step timed) give ``least``."""
+    prefill token (measured on the prefill's chunks; it grows with the history the chunk attends
+    to), within [least, most], and at most ``GROWTH`` times the ``last`` chunk (when there was one):
+    one cheap-looking chunk on a noisy machine must not make the next one several times larger.
+    Unknown costs (no chunk fed yet, no decode step timed) give ``least``."""
     if not token_s or decode_s <= 0:
         return least
+    if last:
+        most = min(most, max(least, int(GROWTH * last)))
     return max(least, min(most, int(decode_s / token_s)))
 
 

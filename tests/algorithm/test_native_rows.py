@@ -49,6 +49,8 @@ def test_slots_past_the_history_are_never_read():
 
 
 def test_dense_attention_takes_the_kernel_for_few_rows_only(monkeypatch):
+    """With several intra-op threads, more rows than NATIVE_ROWS go to SDPA; with one, to the kernel."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     calls = []
     native = dispatch.causal_rows
     monkeypatch.setattr(dispatch, "causal_rows", lambda *a: calls.append(a[0].shape[1]) or native(*a))
@@ -62,6 +64,11 @@ def test_dense_attention_takes_the_kernel_for_few_rows_only(monkeypatch):
     q = torch.randn(4, 8, 64, generator=gen)
     dense_attention(q, keys, values, 0.125, backend="torch")
     assert calls == [8, attention_ops.NATIVE_ROWS]  # the torch backend keeps SDPA
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    q = torch.randn(4, 2 * attention_ops.NATIVE_ROWS, 64, generator=gen)
+    torch.testing.assert_close(dense_attention(q, keys, values, 0.125), reference_dense(q, keys, values, 0.125),
+                               atol=1e-5, rtol=0)
+    assert calls == [8, attention_ops.NATIVE_ROWS, 2 * attention_ops.NATIVE_ROWS]
 
 
 def test_the_kernel_declines_what_it_cannot_take():

@@ -112,6 +112,11 @@ def test_a_chunk_beside_decode_tokens_adds_about_one_decode_step():
     assert chunk_budget(0.2, 0.0001, 512, 16) == 512  # a cheap prefill: the whole chunk
     assert chunk_budget(0.2, None, 512, 16) == 16  # no chunk fed yet
     assert chunk_budget(0.0, 0.005, 512, 16) == 16  # no decode step timed yet
+    # After a chunk of 20: at most 1.5x that, however cheap the last chunks looked; never below the floor.
+    assert chunk_budget(0.2, 0.0001, 512, 16, last=20) == 30
+    assert chunk_budget(0.2, 0.005, 512, 16, last=20) == 30
+    assert chunk_budget(0.2, 0.005, 512, 16, last=40) == 40
+    assert chunk_budget(0.2, 0.005, 512, 16, last=4) == 16
 
 
 # --- the engine ----------------------------------------------------------------------------------
@@ -161,7 +166,7 @@ async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine,
     # Chunk sizes beside decode tokens come from measured step times: fixed here, so the test is exact.
     budgets = []
 
-    def fixed_budget(decode_s, token_s, most, least):
+    def fixed_budget(decode_s, token_s, most, least, last=0):
         budgets.append((decode_s, token_s))
         return 20
 
