@@ -11,7 +11,9 @@ client's arrival times of the S streams' deltas:
   over the baseline window (every stream's gaps pooled);
 - ``max_pause_ms``: the longest gap between two deltas of one stream that overlaps the long
   message's prefill (from its send to its first delta);
-- ``ratio``: max pause / p95 gap before (the target is at most 3).
+- ``ratio``: max pause / p95 gap before (the target is at most 3);
+- ``longest_pauses``: the five longest of those gaps and when each began, in seconds after the long
+  message was sent (pauses just before its first token come from its end-of-prefill selection).
 
 Also reported: the long message's time to first token and prompt tokens (from its ``done``), the
 p95 of the gaps during its prefill, and the server's batching counters over the run (prefill
@@ -65,7 +67,11 @@ class Stream:
 
     def gaps(self, start: float, stop: float) -> list[float]:
         """Gaps between consecutive deltas that overlap [start, stop], in seconds."""
-        return [b - a for a, b in zip(self.times, self.times[1:]) if b > start and a < stop]
+        return [b - a for a, b in self.timed_gaps(start, stop)]
+
+    def timed_gaps(self, start: float, stop: float) -> list[tuple[float, float]]:
+        """(start, end) of each gap between consecutive deltas that overlaps [start, stop]."""
+        return [(a, b) for a, b in zip(self.times, self.times[1:]) if b > start and a < stop]
 
 
 async def long_first_message(url: str, args) -> dict:
@@ -109,6 +115,9 @@ async def stall(url: str, args) -> dict:
     sent, first = long["sent"], long["first"]
     baseline = [g for s in streams for g in s.gaps(sent - args.stall_baseline, sent)]
     during = [g for s in streams for g in s.gaps(sent, first)]
+    # Where the longest pauses fell (seconds after the long message was sent): early ones point at the
+    # chunks, ones near its first token at the end-of-prefill selection.
+    longest = sorted((b - a, a) for s in streams for a, b in s.timed_gaps(sent, first))[-5:]
     p95_before = pct([g * 1000 for g in baseline], 0.95)
     max_pause = round(max(during) * 1000, 1) if during else None
     counters = ("batch_steps", "batch_prefill_chunks", "batch_prefills", "batch_mixed_steps", "batch_decode_tokens")
@@ -116,6 +125,7 @@ async def stall(url: str, args) -> dict:
         "gap_before_p95_ms": p95_before,
         "max_pause_ms": max_pause,
         "ratio": round(max_pause / p95_before, 2) if max_pause and p95_before else None,
+        "longest_pauses": [{"ms": round(g * 1000, 1), "at_s": round(a - sent, 2)} for g, a in reversed(longest)],
         "gaps_during_p95_ms": pct([g * 1000 for g in during], 0.95),
         "baseline_gaps": len(baseline),
         "gaps_during": len(during),

@@ -55,7 +55,7 @@ import torch
 
 from app.engine.model_runner import ModelRunner, Segment
 from app.engine.sampling import Sampler, sample_batch
-from app.engine.steps import BatchStats, PrefillAbandoned, PrefillGate, Request, chunk_budget, take
+from app.engine.steps import BatchStats, PrefillAbandoned, PrefillGate, RecentMedian, Request, chunk_budget, take
 from rocketkv_mt.cache import SessionCache
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ ARRIVAL_QUIET_S, ARRIVAL_MAX_S = 0.002, 0.02
 SELECT_FRACTION = 0.5  # a slice of a chunked prefill's deferred selection: about this fraction of a decode step
 SELECT_MIN_S = 0.005
 MIN_CHUNK = 8  # fewest prefill tokens a chunk fed beside decode tokens carries
-DECODE_EMA = 0.3  # weight of the newest decode-only step in the running step time
+DECODE_WINDOW = 9  # decode-only steps whose median is the reference step time
 TOKEN_EMA = 0.5  # weight of the newest chunk in a chunked prefill's running cost per token
 
 
@@ -105,7 +105,7 @@ class Batcher:
         self._finish_first = False  # run those selections before the next step (model thread)
         self._decoding = 0  # sessions between their prefill and the end of their turn
         self._last_step_s = 0.0
-        self._decode_s = 0.0  # running time of a step that carries only decode tokens
+        self._decode = RecentMedian(DECODE_WINDOW)  # time of a step that carries only decode tokens
         self._token_s: float | None = None  # the last chunk's seconds per prefill token (any prefill)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="rkv-model", daemon=True)
@@ -256,7 +256,7 @@ class Batcher:
         # reserved device memory for that) is cut finer, and not while more turns wait for their first
         # token than sessions decode (a burst of new conversations).
         if chunked_head and len(ready) >= len(self._prefills):
-            budget = chunk_budget(self._decode_s, head.token_s or self._token_s, self.step_tokens, MIN_CHUNK,
+            budget = chunk_budget(self._decode.value, head.token_s or self._token_s, self.step_tokens, MIN_CHUNK,
                                   head.last_chunk)
         batch = take(ready, self._prefills, budget, chunking=self.prefill_chunk > 0)
         if not batch and self._selecting:  # nobody to hold up: they select in this step, inline
@@ -271,7 +271,7 @@ class Batcher:
         t0 = time.perf_counter()
         try:
             # Sized on a decode-only step: after a step that carried a chunk, half of it would add up.
-            slice_s = max(SELECT_MIN_S, SELECT_FRACTION * (self._decode_s or self._last_step_s))
+            slice_s = max(SELECT_MIN_S, SELECT_FRACTION * (self._decode.value or self._last_step_s))
             left = req.cache.select_pending(t0 + slice_s)
         except Exception as exc:  # noqa: BLE001 - that session fails alone, as a failed step segment does
             self._selecting.pop(0)
@@ -362,10 +362,10 @@ class Batcher:
         step_s = time.perf_counter() - t0
         decoding = [s for _, s in batch if not s.prefill]
         if len(decoding) == len(batch):
-            self._decode_s = step_s if not self._decode_s else (1 - DECODE_EMA) * self._decode_s + DECODE_EMA * step_s
+            self._decode.add(step_s)
         for r, s in batch:
             if s.prefill and s.rest:  # a chunk: what it cost a token, beyond the decode tokens beside it
-                extra = step_s - (self._decode_s if decoding else 0.0)
+                extra = step_s - (self._decode.value if decoding else 0.0)
                 token_s = max(extra, 0.1 * step_s) / len(s.ids)
                 # A running mean over the prefill's chunks: one step's time on a noisy machine is not its cost.
                 r.token_s = token_s if r.token_s is None else (1 - TOKEN_EMA) * r.token_s + TOKEN_EMA * token_s

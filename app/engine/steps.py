@@ -11,6 +11,7 @@ cannot split its prefill is fed whole.
 from __future__ import annotations
 
 import concurrent.futures
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,6 +106,23 @@ def chunk_budget(decode_s: float, token_s: float | None, most: int, least: int, 
     if last:
         most = min(most, max(least, int(GROWTH * last)))
     return max(least, min(most, int(decode_s / token_s)))
+
+
+class RecentMedian:
+    """The median of the last ``n`` values added (0.0 before any): a reference step time that a few
+    slow steps do not move, as a running mean would (the event loop reading a long message, or a
+    collection, can make two or three decode steps twice as long just before that message's chunks
+    are sized on them)."""
+
+    def __init__(self, n: int):
+        self._values: deque[float] = deque(maxlen=n)
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self._values) if self._values else 0.0
 
 
 @dataclass

@@ -12,7 +12,7 @@ from app.engine import batcher as batcher_module
 from app.engine.errors import DeviceMemoryExhausted
 from app.engine.events import TextDelta, TurnDone
 from app.engine.sampling import SamplingParams
-from app.engine.steps import Request, chunk_budget, take
+from app.engine.steps import RecentMedian, Request, chunk_budget, take
 from bench.common import fit_words
 from bench.haystack import filler_text
 
@@ -103,6 +103,19 @@ def test_decode_tokens_of_other_sessions_ride_along():
         ("a", 1, False, 0), ("b", 1, False, 0), ("s", 64, True, 236)
     ]
     assert list(prefills) == [batch[-1][0]]  # fed in part: still first in the queue
+
+
+def test_the_reference_decode_step_ignores_a_few_slow_steps():
+    ref = RecentMedian(5)
+    assert ref.value == 0.0  # nothing timed yet: chunk_budget gives its floor
+    for s in (0.045, 0.046, 0.044):
+        ref.add(s)
+    ref.add(0.093)
+    ref.add(0.074)  # two steps slowed just before a long message's first chunk
+    assert ref.value == 0.046
+    for s in (0.06, 0.061, 0.062):  # histories grew: the reference follows once most steps are slower
+        ref.add(s)
+    assert ref.value == 0.062
 
 
 def test_a_chunk_beside_decode_tokens_adds_about_one_decode_step():
