@@ -133,5 +133,7 @@ class LayerKV:
         self._zero_ahead(need)
 
     def nbytes(self) -> int:
-        """Bytes of the kept keys and values (what the session needs, not the spare capacity)."""
-        return 2 * self.keys.numel() * self._k.element_size()
+        """Bytes of the kept keys and values (what the session needs, not the spare capacity); from the
+        shapes, without slicing a view (the replica measures every cache it stepped, after each step)."""
+        heads, _, dim = self._k.shape
+        return 2 * heads * self.length * dim * self._k.element_size()

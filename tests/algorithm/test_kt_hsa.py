@@ -31,6 +31,8 @@ def test_decode_appends_update_last_page_in_place(page):
         kt.append(keys[:, t])
     kmin, kmax = page_minmax(keys, page)
     assert torch.equal(kt.kmin, kmin) and torch.equal(kt.kmax, kmax)
+    # Its bytes are those of the pages in use, not of the spare ones it grew into.
+    assert kt.nbytes() == kt.bounds.numel() * 4 == 2 * 2 * 5 * kmin.shape[1] * 4 < kt.buffer.numel() * 4
 
 
 def reference_page_scores(q, kmin, kmax, topr):
@@ -108,6 +110,7 @@ def test_fast_decode_path_equals_reference(group, page, length, local):
     for t in range(length - 5, length):  # decode appends, the last page possibly partial
         store.append(keys[:, t:t + 1], values[:, t:t + 1], torch.tensor([t]))
         kt.append(keys[:, t])
+    assert store.nbytes() == 2 * store.keys.numel() * 4 == 2 * hkv * length * d * 4  # kept tokens, not capacity
     q = torch.randn(hkv, group, d)
     kb, vb = store.buffers
     got = hsa_decode(q, kb, vb, length, kt.bounds, page, 8, 24, d ** -0.5, local)
