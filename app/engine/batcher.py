@@ -69,7 +69,7 @@ GATHER_MIN_S, GATHER_MAX_S = 0.001, 0.05
 ARRIVAL_QUIET_S, ARRIVAL_MAX_S = 0.002, 0.02
 SELECT_FRACTION = 0.5  # a slice of a chunked prefill's deferred selection: about this fraction of a decode step
 SELECT_MIN_S = 0.005
-MIN_CHUNK = 8  # fewest prefill tokens a chunk fed beside decode tokens carries
+MIN_CHUNK = 4  # fewest prefill tokens a chunk fed beside decode tokens carries
 DECODE_WINDOW = 9  # decode-only steps whose median is the reference step time
 TOKEN_EMA = 0.5  # weight of the newest chunk in a chunked prefill's running cost per token
 
