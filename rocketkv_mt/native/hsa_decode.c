@@ -214,11 +214,17 @@ static void hsa_head(const Scratch *s, const Ranked *chan, const float *qh, cons
         if (!forced[p]) heap_offer(heap, &heap_size, room, scores[p], p);
     for (int64_t i = 0; i < heap_size; ++i) chosen[n_chosen++] = heap[i].index;
 
-    /* Exact attention over the chosen pages' tokens. */
+    /* Exact attention over the chosen pages' tokens. Their key and value rows are scattered and cold:
+     * asked for all at once here, their misses overlap instead of each stalling the product that reads
+     * it (the hardware prefetcher cannot guess a gather). */
     int64_t n_tok = 0;
     for (int64_t i = 0; i < n_chosen; ++i)
         for (int64_t t = chosen[i] * page_size; t < (chosen[i] + 1) * page_size && t < length; ++t)
             tokens[n_tok++] = t;
+    for (int64_t i = 0; i < n_tok; ++i) {
+        prefetch_span(kh + tokens[i] * d, d);
+        prefetch_span(vh + tokens[i] * d, d);
+    }
     for (int64_t j = 0; j < g; ++j) {
         const float *qj = qh + j * d;
         float *aj = att + j * n_tok;
