@@ -13,10 +13,11 @@ thread loops:
    which also carries the decode tokens of the sessions generating meanwhile, so they keep
    streaming while it is fed (the cache defers its compression to the last chunk, see
    ``SessionCache``; a cache that cannot split its prefill is fed whole). While others decode, such
-   a chunk is sized to add about one decode step's time to the step (``chunk_budget``, from what the
-   prefill's last chunk cost a token), so their tokens keep coming at close to their own pace
-   however long the history the chunk attends to; alone, or while more turns wait for their first
-   token than sessions decode, the prefill takes whole ``prefill_chunk``s.
+   a chunk is sized to add about one decode step's time to the step (``chunk_budget``: the median of
+   the recent decode-only steps over what the prefill's chunks cost a token), so their tokens keep
+   coming at close to their own pace however long the history the chunk attends to; alone, or while
+   more turns wait for their first token than sessions decode, the prefill takes whole
+   ``prefill_chunk``s.
 
 After a chunked prefill's last chunk, its cache still has each layer's end of prefill to run
 (``SessionCache.select_pending``: Stage 1 over the whole history, eviction or demotion, KT). While

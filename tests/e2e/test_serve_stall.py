@@ -29,3 +29,8 @@ async def test_streams_go_on_while_a_long_message_is_prefilled_in_chunks(loaded)
     assert result["gap_before_p95_ms"] > 0 and result["baseline_gaps"] > 4
     assert result["max_pause_ms"] >= result["gaps_during_p95_ms"]
     assert result["ratio"] == pytest.approx(result["max_pause_ms"] / result["gap_before_p95_ms"], rel=0.01)
+    # The longest pauses, longest first, the first being the max pause, each begun before the first token.
+    pauses = result["longest_pauses"]
+    assert 1 <= len(pauses) <= 5 and pauses[0]["ms"] == result["max_pause_ms"]
+    assert [p["ms"] for p in pauses] == sorted((p["ms"] for p in pauses), reverse=True)
+    assert all(p["at_s"] <= long["ttft_s"] for p in pauses)
