@@ -8,7 +8,7 @@ import torch
 
 from rocketkv_mt import dispatch
 from rocketkv_mt.cache.store import LayerKV
-from rocketkv_mt.hsa import hsa_attention, hsa_decode
+from rocketkv_mt.hsa import hsa_attention, hsa_decode, local_pages
 from rocketkv_mt.kt_cache import KTCache
 
 native = pytest.importorskip("rocketkv_mt.native.hsa")
@@ -95,3 +95,25 @@ def test_native_rejects_what_it_would_read_out_of_bounds():
         native.hsa_decode(q, kb.half(), vb.half(), 60, kt.bounds, 3, 8, 24, 0.2)
     with pytest.raises(ValueError, match="match"):
         native.hsa_decode(torch.randn(2, 3, 32), kb, vb, 60, kt.bounds, 3, 8, 24, 0.2)
+
+
+def test_pages_scored_alike_are_taken_in_page_order_up_to_the_budget():
+    # Every key alike: every page scores the same, so the budget's unforced pages are a tie. The kernel
+    # takes the last (local) pages and then the first pages in order; with equal keys attention is
+    # uniform over what it took, so the output is the mean of exactly those values.
+    hkv, d, page, length, topk, local = 2, 32, 3, 60, 24, 4
+    torch.manual_seed(3)
+    store = LayerKV(hkv, d, torch.float32, torch.device("cpu"))
+    keys = torch.randn(hkv, 1, d).expand(hkv, length, d).contiguous()
+    values = torch.randn(hkv, length, d)
+    store.append(keys, values, torch.arange(length))
+    kt = KTCache(store.keys, page)
+    kb, vb = store.buffers
+    q = torch.randn(hkv, 3, d)
+    got = native.hsa_decode(q, kb, vb, length, kt.bounds, page, 8, topk, d ** -0.5, local)
+    n_local = local_pages(length, page, local)
+    room = topk // page - n_local
+    pages = list(range(room)) + list(range(length // page - n_local, length // page))
+    tokens = torch.tensor([p * page + i for p in pages for i in range(page)])
+    expected = values[:, tokens].mean(dim=1, keepdim=True).expand(hkv, 3, d)
+    assert torch.allclose(got, expected, atol=1e-5)
