@@ -72,6 +72,21 @@ def causal_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scali
     return native_rows.attend_rows(q, keys, values, scaling)
 
 
+def part_logits(q: torch.Tensor, keys: torch.Tensor, scaling: float, *, backend: str = "auto") -> torch.Tensor:
+    """scaling * q (Hkv, M, d) . keys (Hkv, T, d)^T -> float32 (Hkv, M, T): on the native kernel (float32
+    CPU tensors, contiguous key rows) where it is allowed and builds here, else one batched product."""
+    if backend in ("auto", "native") and native_rows.takes_rows(q, keys):
+        return native_rows.part_logits(q, keys, scaling)
+    return torch.matmul(q.float(), keys.float().transpose(1, 2)).mul_(scaling)
+
+
+def part_values(probs: torch.Tensor, values: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """probs (Hkv, M, T) float32 . values (Hkv, T, d) -> (Hkv, M, d): native where ``part_logits`` is."""
+    if backend in ("auto", "native") and native_rows.takes_rows(probs, values):
+        return native_rows.part_values(probs, values)
+    return torch.matmul(probs, values.float())
+
+
 def page_scores(
     q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, channels: torch.Tensor, *, backend: str = "auto"
 ) -> torch.Tensor:

@@ -6,7 +6,8 @@ every decoding session (appends, KT, HSA or dense attention) in another. ``pool_
 window mass of a tiered turn's sketched cold tokens in one pass per row of their logits,
 ``stage1_choose.c`` makes Stage 1's choice over slots in any order (twice a layer in a tiered turn),
 ``softmax_rows.c`` takes the exponentials of a tiered turn's attention parts, and ``attend_rows.c``
-the causal attention of a prefill chunk's few rows over the history.
+the causal attention of a prefill chunk's few rows over the history, and the two products of such a
+part.
 The shared library is built for this machine (``-march=native``) into the cache directory, under a
 name that hashes the sources, the flags and the CPU, so a copy built on another machine is never
 loaded. Where no compiler is found the loader returns None and callers keep the torch paths
@@ -98,6 +99,14 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [
         ctypes.c_float, ctypes.c_void_p]
+    fn = lib.rkv_row_logits
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [
+        ctypes.c_float, ctypes.c_void_p]
+    fn = lib.rkv_row_values
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [
+        ctypes.c_void_p]
     return lib
 
 

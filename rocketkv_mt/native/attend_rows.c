@@ -235,3 +235,88 @@ int rkv_attend_rows(const float *q, int64_t hkv, int64_t g, int64_t n, int64_t d
     }
     return 0;
 }
+
+/* The two products of an attention part whose softmax happens between them (a tiered turn's parts,
+ * rocketkv_mt/split_attention.py: the window rows' probabilities are kept): logits, then the values
+ * weighted by the probabilities. With the same tiles as above: batched products of this shape (an
+ * inner dimension of 64, a few dozen rows) ran at ~45 GFLOPS through torch.matmul here.
+ *   rkv_row_logits: out (Hkv, M, T) = scaling * q (Hkv, M, d) . keys^T
+ *   rkv_row_values: out (Hkv, M, d) = p (Hkv, M, T) . values
+ * keys/values: head h's row j at + h * head_stride + j * d. Each returns 0, or -1 for a head dim it
+ * does not take. */
+static inline __attribute__((always_inline)) void logits_tile(const float *restrict qh, const float *restrict kt,
+                                                             float *restrict oh, const int d, const int R,
+                                                             int64_t r0, int64_t t, int64_t j0, int64_t nb,
+                                                             float scaling, float s[][BLOCK]) {
+    tile_logits(qh + r0 * d, d, R, kt, scaling, s);
+    for (int r = 0; r < R; r++) memcpy(oh + (r0 + r) * t + j0, s[r], (size_t)nb * sizeof(float));
+}
+
+static inline __attribute__((always_inline)) void head_logits(const float *restrict qh, const float *restrict kh,
+                                                             float *restrict oh, int64_t m, const int d, int64_t t,
+                                                             float scaling) {
+    float kt[MAX_D * BLOCK] __attribute__((aligned(64)));
+    float s[ROWS][BLOCK] __attribute__((aligned(64)));
+    for (int64_t j0 = 0; j0 < t; j0 += BLOCK) {
+        const int64_t nb = t - j0 < BLOCK ? t - j0 : BLOCK;
+        prefetch_block(kh, kh, j0 + AHEAD * BLOCK, t, d);
+        transpose_block(kh + j0 * d, nb, d, kt);
+        int64_t r0 = 0;
+        for (; r0 + ROWS <= m; r0 += ROWS) logits_tile(qh, kt, oh, d, ROWS, r0, t, j0, nb, scaling, s);
+        switch (m - r0) {
+        case 3: logits_tile(qh, kt, oh, d, 3, r0, t, j0, nb, scaling, s); break;
+        case 2: logits_tile(qh, kt, oh, d, 2, r0, t, j0, nb, scaling, s); break;
+        case 1: logits_tile(qh, kt, oh, d, 1, r0, t, j0, nb, scaling, s); break;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void values_tile(const float *restrict ph, const float *restrict vb,
+                                                             float *restrict oh, const int d, const int R,
+                                                             int64_t r0, int64_t t, int64_t j0, int64_t nb,
+                                                             float s[][BLOCK]) {
+    for (int r = 0; r < R; r++) memcpy(s[r], ph + (r0 + r) * t + j0, (size_t)nb * sizeof(float));
+    tile_values(oh + r0 * d, d, R, vb, nb, s);
+}
+
+static inline __attribute__((always_inline)) void head_values(const float *restrict ph, const float *restrict vh,
+                                                             float *restrict oh, int64_t m, const int d, int64_t t) {
+    float s[ROWS][BLOCK] __attribute__((aligned(64)));
+    memset(oh, 0, (size_t)(m * d) * sizeof(float));
+    for (int64_t j0 = 0; j0 < t; j0 += BLOCK) {
+        const int64_t nb = t - j0 < BLOCK ? t - j0 : BLOCK;
+        prefetch_block(vh, vh, j0 + AHEAD * BLOCK, t, d);
+        const float *vb = vh + j0 * d;
+        int64_t r0 = 0;
+        for (; r0 + ROWS <= m; r0 += ROWS) values_tile(ph, vb, oh, d, ROWS, r0, t, j0, nb, s);
+        switch (m - r0) {
+        case 3: values_tile(ph, vb, oh, d, 3, r0, t, j0, nb, s); break;
+        case 2: values_tile(ph, vb, oh, d, 2, r0, t, j0, nb, s); break;
+        case 1: values_tile(ph, vb, oh, d, 1, r0, t, j0, nb, s); break;
+        }
+    }
+}
+
+int rkv_row_logits(const float *q, int64_t hkv, int64_t m, int64_t d, const float *keys, int64_t head_stride,
+                   int64_t t, float scaling, float *out) {
+    if (d != 64 && d != 128) return -1;
+    for (int64_t h = 0; h < hkv; h++) {
+        if (d == 64)
+            head_logits(q + h * m * d, keys + h * head_stride, out + h * m * t, m, 64, t, scaling);
+        else
+            head_logits(q + h * m * d, keys + h * head_stride, out + h * m * t, m, 128, t, scaling);
+    }
+    return 0;
+}
+
+int rkv_row_values(const float *p, int64_t hkv, int64_t m, int64_t t, const float *values, int64_t head_stride,
+                   int64_t d, float *out) {
+    if (d != 64 && d != 128) return -1;
+    for (int64_t h = 0; h < hkv; h++) {
+        if (d == 64)
+            head_values(p + h * m * t, values + h * head_stride, out + h * m * d, m, 64, t);
+        else
+            head_values(p + h * m * t, values + h * head_stride, out + h * m * d, m, 128, t);
+    }
+    return 0;
+}

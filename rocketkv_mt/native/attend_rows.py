@@ -1,5 +1,6 @@
 """The native causal attention of a few query rows over a contiguous history (``attend_rows.c``),
-as ``rocketkv_mt.attention_ops.dense_attention`` computes it with SDPA."""
+as ``rocketkv_mt.attention_ops.dense_attention`` computes it with SDPA; and the two products of an
+attention part (``rocketkv_mt.split_attention``) on the same tiles."""
 from __future__ import annotations
 
 import torch
@@ -35,4 +36,42 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scali
     )
     if rc != 0:  # supports() keeps to the head dims it takes; a kernel that disagrees must not pass garbage on
         raise ValueError(f"the native row attention does not take head dim {d}")
+    return out
+
+
+def takes_rows(rows: torch.Tensor, kv: torch.Tensor) -> bool:
+    """True when ``part_logits``/``part_values`` can take rows (Hkv, M, ·) over kv (Hkv, T, d): float32 on
+    the CPU, kv's rows contiguous at one head stride, a head dim the kernel handles, a library built here."""
+    d = kv.shape[-1]
+    return (
+        rows.device.type == "cpu" and rows.dtype == kv.dtype == torch.float32 and d in HEAD_DIMS
+        and kv.stride()[1:] == (d, 1) and library() is not None
+    )
+
+
+def part_logits(q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q (Hkv, M, d), keys (Hkv, T, d) -> scaling * q . keys^T (Hkv, M, T). Pass ``takes_rows`` first."""
+    if not takes_rows(q, keys):
+        raise ValueError("the native part products need float32 CPU tensors with contiguous key rows")
+    hkv, m, d = q.shape
+    t = keys.shape[1]
+    q = q.contiguous()
+    out = torch.empty(hkv, m, t, dtype=torch.float32)
+    if library().rkv_row_logits(q.data_ptr(), hkv, m, d, keys.data_ptr(), keys.stride(0), t, scaling,
+                                out.data_ptr()) != 0:
+        raise ValueError(f"the native part products do not take head dim {d}")
+    return out
+
+
+def part_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs (Hkv, M, T), values (Hkv, T, d) -> probs . values (Hkv, M, d). Pass ``takes_rows`` first."""
+    if not takes_rows(probs, values):
+        raise ValueError("the native part products need float32 CPU tensors with contiguous value rows")
+    hkv, m, t = probs.shape
+    d = values.shape[-1]
+    probs = probs.contiguous()
+    out = torch.empty(hkv, m, d, dtype=torch.float32)
+    if library().rkv_row_values(probs.data_ptr(), hkv, m, t, values.data_ptr(), values.stride(0), d,
+                                out.data_ptr()) != 0:
+        raise ValueError(f"the native part products do not take head dim {d}")
     return out

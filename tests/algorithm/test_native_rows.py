@@ -7,6 +7,7 @@ import torch
 from rocketkv_mt import attention_ops, dispatch
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.store import LayerKV
+from rocketkv_mt.native import attend_rows as native_rows
 from rocketkv_mt.native import available
 
 from test_prefill_attention import reference_dense
@@ -107,3 +108,27 @@ def test_a_store_keeps_every_appended_token_across_moves():
         store.append(keys[:, start : start + n], keys[:, start : start + n], torch.arange(start, start + n))
         assert torch.equal(store.positions[0], torch.arange(start + n))
         assert torch.equal(store.keys, keys[:, : start + n])
+
+
+@pytest.mark.parametrize("hkv,m,t,d", [(3, 69, 699, 64), (2, 5, 64, 64), (1, 18, 130, 128), (3, 1, 7, 64), (2, 7, 0, 64)])
+def test_part_products_equal_batched_matmuls(hkv, m, t, d):
+    # Rows a multiple of the 4-row tile and past one, keys not a multiple of the 64-key block, none at all;
+    # keys and values as views into longer store buffers.
+    gen = torch.Generator().manual_seed(m + t)
+    q = torch.randn(hkv, m, d, generator=gen)
+    keys, values = stored(hkv, t, d, gen, fill=float("nan"))  # slots past the keys are never read
+    assert native_rows.takes_rows(q, keys)
+    logits = native_rows.part_logits(q, keys, 0.125)
+    torch.testing.assert_close(logits, torch.matmul(q, keys.transpose(1, 2)) * 0.125, atol=1e-5, rtol=1e-5)
+    probs = torch.softmax(torch.randn(hkv, m, t, generator=gen), -1) if t else torch.zeros(hkv, m, 0)
+    torch.testing.assert_close(native_rows.part_values(probs, values), torch.matmul(probs, values), atol=1e-5, rtol=1e-5)
+    assert torch.equal(dispatch.part_logits(q, keys, 0.125, backend="torch"), torch.matmul(q, keys.transpose(1, 2)) * 0.125)
+
+
+def test_part_products_decline_what_they_cannot_take():
+    q, keys = torch.randn(2, 4, 32), torch.randn(2, 9, 32)  # head dim 32
+    assert not native_rows.takes_rows(q, keys)
+    assert not native_rows.takes_rows(q.double(), keys.double())
+    with pytest.raises(ValueError):
+        native_rows.part_logits(q, keys, 1.0)
+    assert torch.allclose(dispatch.part_logits(q, keys, 0.5), torch.matmul(q, keys.transpose(1, 2)) * 0.5)

@@ -20,10 +20,11 @@ def union_reference(q, parts_k, parts_v, parts_pos, parts_alive, history, scalin
     return out, probs
 
 
+@pytest.mark.parametrize("d", [16, 64])  # 64: the native part products where a C compiler builds them
 @pytest.mark.parametrize("n,group", [(5, 3), (17, 1), (40, 4)])
-def test_two_parts_merge_to_the_attention_over_their_union(n, group):
+def test_two_parts_merge_to_the_attention_over_their_union(n, group, d):
     torch.manual_seed(n)
-    hkv, d, t, m, history = 2, 16, 30 + n, 24, 200
+    hkv, t, m, history = 2, 30 + n, 24, 200
     hq = hkv * group
     q = torch.randn(hq, n, d)
     k, v = torch.randn(hkv, t, d), torch.randn(hkv, t, d)  # device: history slots, then the turn's n tokens
