@@ -55,6 +55,8 @@ def part_logits(q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Te
         raise ValueError("the native part products need float32 CPU tensors with contiguous key rows")
     hkv, m, d = q.shape
     t = keys.shape[1]
+    if keys.shape[0] != hkv or keys.shape[2] != d:  # the kernel trusts the shapes: a mismatch would read past them
+        raise ValueError(f"keys {tuple(keys.shape)} do not match the rows {tuple(q.shape)}")
     q = q.contiguous()
     out = torch.empty(hkv, m, t, dtype=torch.float32)
     if library().rkv_row_logits(q.data_ptr(), hkv, m, d, keys.data_ptr(), keys.stride(0), t, scaling,
@@ -69,6 +71,8 @@ def part_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         raise ValueError("the native part products need float32 CPU tensors with contiguous value rows")
     hkv, m, t = probs.shape
     d = values.shape[-1]
+    if values.shape[:2] != (hkv, t):
+        raise ValueError(f"values {tuple(values.shape)} do not match the probabilities {tuple(probs.shape)}")
     probs = probs.contiguous()
     out = torch.empty(hkv, m, d, dtype=torch.float32)
     if library().rkv_row_values(probs.data_ptr(), hkv, m, t, values.data_ptr(), values.stride(0), d,

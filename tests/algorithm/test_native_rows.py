@@ -131,4 +131,9 @@ def test_part_products_decline_what_they_cannot_take():
     assert not native_rows.takes_rows(q.double(), keys.double())
     with pytest.raises(ValueError):
         native_rows.part_logits(q, keys, 1.0)
+    q64, keys64 = torch.randn(2, 4, 64), torch.randn(3, 9, 64)  # a head more than the rows have
+    with pytest.raises(ValueError):
+        native_rows.part_logits(q64, keys64, 1.0)
+    with pytest.raises(ValueError):  # fewer value rows than the probabilities' keys
+        native_rows.part_values(torch.rand(2, 4, 9), torch.randn(2, 8, 64))
     assert torch.allclose(dispatch.part_logits(q, keys, 0.5), torch.matmul(q, keys.transpose(1, 2)) * 0.5)
