@@ -10,14 +10,22 @@ from rocketkv_mt.native import library
 HEAD_DIMS = (64, 128)  # what attend_rows.c takes
 
 
-def supports(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """True when the kernel can take these tensors: float32 on the CPU, each head's keys and values
-    contiguous rows at one head stride, a head dim it handles, a library built here."""
-    d = q.shape[-1]
+def takes_rows(rows: torch.Tensor, kv: torch.Tensor) -> bool:
+    """True when this file's kernels can take rows (Hkv, M, ·) over kv (Hkv, T, d): float32 on the CPU,
+    kv's rows contiguous at one head stride, a head dim they handle, a library built here."""
+    d = kv.shape[-1]
     return (
-        q.device.type == "cpu" and q.dtype == keys.dtype == values.dtype == torch.float32
-        and d in HEAD_DIMS and keys.stride() == values.stride() and keys.stride()[1:] == (d, 1)
-        and library() is not None
+        rows.device.type == "cpu" and rows.dtype == kv.dtype == torch.float32 and d in HEAD_DIMS
+        and kv.stride()[1:] == (d, 1) and library() is not None
+    )
+
+
+def supports(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """True when the kernel can take these tensors: what ``takes_rows`` asks of q over keys and over
+    values, the same head dim in all three, and keys and values at the same strides."""
+    return (
+        takes_rows(q, keys) and takes_rows(q, values) and q.shape[-1] == keys.shape[-1]
+        and keys.stride() == values.stride()
     )
 
 
@@ -37,16 +45,6 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scali
     if rc != 0:  # supports() keeps to the head dims it takes; a kernel that disagrees must not pass garbage on
         raise ValueError(f"the native row attention does not take head dim {d}")
     return out
-
-
-def takes_rows(rows: torch.Tensor, kv: torch.Tensor) -> bool:
-    """True when ``part_logits``/``part_values`` can take rows (Hkv, M, ·) over kv (Hkv, T, d): float32 on
-    the CPU, kv's rows contiguous at one head stride, a head dim the kernel handles, a library built here."""
-    d = kv.shape[-1]
-    return (
-        rows.device.type == "cpu" and rows.dtype == kv.dtype == torch.float32 and d in HEAD_DIMS
-        and kv.stride()[1:] == (d, 1) and library() is not None
-    )
 
 
 def part_logits(q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -101,13 +101,13 @@ static void scratch_free(Scratch *s) {
     free(s->att); free(s->tokens); free(s->scale); free(s->forced); free(s->rows); free(s->weights);
 }
 
-/* Room for Hkv heads, pages P, k_pages chosen pages, max_tokens attended tokens and g * att_len scores. */
-static int scratch_alloc(Scratch *s, int64_t hkv, int64_t g, int64_t d, int64_t pages, int64_t k_pages,
+/* Room for Hkv heads, pages P, max_tokens attended tokens and g * att_len scores. */
+static int scratch_alloc(Scratch *s, int64_t hkv, int64_t g, int64_t d, int64_t pages,
                          int64_t max_tokens, int64_t att_len) {
     s->chan = malloc(sizeof(Ranked) * 2 * hkv * d);  /* ranked channels of every head, two sessions' worth */
     s->logits = malloc(sizeof(float) * g * (pages + 1));
     s->scores = malloc(sizeof(float) * (pages + 1));
-    s->chosen = malloc(sizeof(int64_t) * (pages + k_pages + 1)); /* every page's index may be written */
+    s->chosen = malloc(sizeof(int64_t) * (pages + 1)); /* each page's index may be written once */
     s->att = malloc(sizeof(float) * g * (att_len + 1));
     s->tokens = malloc(sizeof(int64_t) * (max_tokens + 1));
     s->scale = malloc(sizeof(float) * g);
@@ -164,7 +164,6 @@ static void plan_heads(Ranked *chan, const float *q, const float *bounds, int64_
                           pages);
     }
 }
-
 
 /* out[k] = sum_i w[i] * rows[i][p0 + k] for NV vectors of pages from p0, each page's sum over the
  * channels in rank order; NV a constant where it is inlined, so the sums stay in registers. */
@@ -347,7 +346,7 @@ int rkv_hsa_decode(
     int64_t r = topr < d ? topr : d;
     int64_t max_tokens = k_pages * page_size;
     Scratch s;
-    if (scratch_alloc(&s, hkv, g, d, pages, k_pages, max_tokens, max_tokens) != 0) return -1;
+    if (scratch_alloc(&s, hkv, g, d, pages, max_tokens, max_tokens) != 0) return -1;
     plan_heads(s.chan, q, bounds, hkv, g, d, r, pages, bounds_head_stride, bounds_row_stride);
     for (int64_t h = 0; h < hkv; ++h)
         hsa_head(&s, s.chan + h * d, q + h * g * d, bounds + h * bounds_head_stride, key_buf + h * cap * d, value_buf + h * cap * d,
@@ -416,14 +415,13 @@ static void plan_session(const int64_t *table, const float *q, int64_t b, int64_
 int rkv_decode_batch(const int64_t *table, int64_t n, int64_t fields, const float *q, const float *k_new,
                      const float *v_new, float *out, int64_t hkv, int64_t g, int64_t d, float scaling) {
     if (fields != F_WIDTH) return -2;
-    int64_t max_pages = 1, max_k = 1, max_tokens = 1, max_att = 1;
+    int64_t max_pages = 1, max_tokens = 1, max_att = 1;
     for (int64_t b = 0; b < n; ++b) {
         const int64_t *t = table + b * fields;
         int64_t length = t[F_ROW] + 1;
         if (t[F_HSA]) {
             int64_t tokens = t[F_KPAGES] * t[F_PAGE_SIZE];
             if (t[F_PAGES] > max_pages) max_pages = t[F_PAGES];
-            if (t[F_KPAGES] > max_k) max_k = t[F_KPAGES];
             if (tokens > max_tokens) max_tokens = tokens;
             if (tokens > max_att) max_att = tokens;
         } else if (length > max_att) {
@@ -431,7 +429,7 @@ int rkv_decode_batch(const int64_t *table, int64_t n, int64_t fields, const floa
         }
     }
     Scratch s;
-    if (scratch_alloc(&s, hkv, g, d, max_pages, max_k, max_tokens, max_att) != 0) return -1;
+    if (scratch_alloc(&s, hkv, g, d, max_pages, max_tokens, max_att) != 0) return -1;
     /* Each session's channels are ranked, and its bound rows asked for, while the session before it
      * computes: the sessions' buffers are far apart and cold, and that read is most of a step. */
     plan_session(table, q, 0, n, s.chan, hkv, g, d);
