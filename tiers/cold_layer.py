@@ -200,37 +200,35 @@ class ColdLayer:
         alive = self._alive.take(rows) & cell
         return rows, pos.view(hkv, -1), alive.view(hkv, -1)
 
-    def _slots_of(self, head: int, positions: torch.Tensor) -> torch.Tensor:
-        """Flat slot of each position (-1 where this head never made it cold)."""
-        table = self._slot_of.buf[head]
-        out = torch.full_like(positions, -1)
-        known = positions < table.shape[0]
-        out[known] = table[positions[known]]
-        return out
+    def _slots_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slot of each position (Hkv, L) in its head's pages (-1 where that head never made it cold)."""
+        table = self._slot_of.buf
+        known = (positions >= 0) & (positions < table.shape[1])
+        slots = torch.gather(table, 1, torch.where(known, positions, 0))
+        return torch.where(known, slots, -1)
 
-    def _index_positions(self, head: int, first_page: int) -> None:
-        """Record the flat slots of the head's pages from ``first_page`` on."""
+    def _append(self, heads: torch.Tensor, pos: torch.Tensor, alive: torch.Tensor, kmin: torch.Tensor,
+                kmax: torch.Tensor, codes: torch.Tensor, vsketch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                ) -> None:
+        """New pages, each after the pages its head holds already, in order: the head of each (m,)
+        (ascending), their positions and alive flags (m, P), bounds (m, d), sketch codes (m, P, c), and
+        the value sketch: codes (m, P, c) and bounds (m, d) twice (c and d = 0 without a sketch).
+        Every table is written in one indexed copy for all heads."""
         p = self.page_tokens
-        pos = self._pos.buf[head, first_page : len(self.ids[head])].flatten()
-        flat = torch.arange(first_page * p, first_page * p + pos.numel())
-        real = pos >= 0
-        self._slot_of.ensure(int(pos.max()) + 1 if pos.numel() else 0)
-        self._slot_of.buf[head, pos[real]] = flat[real]
-
-    def _append(self, head: int, ids: list[str], pos: torch.Tensor, alive: torch.Tensor, kmin: torch.Tensor,
-                kmax: torch.Tensor, codes: torch.Tensor, vsketch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        """New pages of one head: their ids, positions and alive flags (m, P), bounds (m, d), sketch
-        codes (m, P, c), and the value sketch: codes (m, P, c) and bounds (m, d) twice (c and d = 0
-        without a sketch)."""
-        first = len(self.ids[head])
-        last = first + len(ids)
+        counts = torch.bincount(heads, minlength=len(self.ids))
+        held = torch.tensor([len(ids) for ids in self.ids])
+        rows = held[heads] + torch.arange(heads.numel()) - (torch.cumsum(counts, 0) - counts)[heads]
+        last = int((held + counts).max())
         tables = ((self._pos, pos), (self._alive, alive), (self._kmin, kmin), (self._kmax, kmax), (self._codes, codes),
                   (self._vcodes, vsketch[0]), (self._vmin, vsketch[1]), (self._vmax, vsketch[2]))
-        for table, rows in tables:
+        for table, values in tables:
             table.ensure(last)
-            table.buf[head, first:last] = rows
-        self.ids[head] += ids
-        self._index_positions(head, first)
+            table.buf[heads, rows] = values
+        # Each real position's flat slot in its head's pages.
+        real = pos >= 0
+        flat = (rows.unsqueeze(1) * p + torch.arange(p)).expand_as(pos)
+        self._slot_of.ensure(int(pos.max()) + 1 if pos.numel() else 0)
+        self._slot_of.buf[heads.unsqueeze(1).expand_as(pos)[real], pos[real]] = flat[real]
 
     # --- moves -------------------------------------------------------------------------------
     def demote(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> int:
@@ -238,58 +236,57 @@ class ColdLayer:
 
         keys/values (Hkv, L, d), positions (Hkv, L). Tokens that already have a page slot (promoted
         earlier) become cold again in place; the others are written to new pages, in position order or,
-        with ``by_keys``, grouped by their keys (``tiers.page_grouping``)."""
-        p, d = self.page_tokens, keys.shape[-1]
+        with ``by_keys``, grouped by their keys (``tiers.page_grouping``). Every head at once: a short
+        turn demotes a few pages a head, and per-head steps cost more than the bytes."""
+        p, hkv = self.page_tokens, mask.shape[0]
         mask, pos_cpu = mask.cpu(), positions.cpu()
-        fresh_of = []  # per head: the store slots of its tokens that need new page slots
-        for i in range(len(self.ids)):
-            pos = pos_cpu[i][mask[i]]
-            if pos.numel() == 0:
-                fresh_of.append(torch.zeros(0, dtype=torch.long))
-                continue
-            slots = self._slots_of(i, pos)
-            again = slots >= 0
-            if again.any():
-                self._alive.buf[i].view(-1)[slots[again]] = True
-            fresh_of.append(torch.nonzero(mask[i]).flatten()[~again])
-        if self.by_keys and any(f.numel() > p for f in fresh_of):
-            fresh_of = self._grouped(keys, fresh_of)
-        new_k, new_v, new_pos, owners = [], [], [], []
-        for i, fresh in enumerate(fresh_of):
-            if fresh.numel() == 0:
-                continue
-            pages = -(-fresh.numel() // p)
-            pad = pages * p - fresh.numel()
-            idx = fresh.to(keys.device)
-            k, v = keys[i].index_select(0, idx), values[i].index_select(0, idx)
-            fpos = pos_cpu[i].index_select(0, fresh)
-            if pad:
-                k = torch.cat([k, k[-1:].expand(pad, d)])  # a copy of the last key keeps the page's bounds
-                v = torch.cat([v, v.new_zeros(pad, d)])
-                fpos = torch.cat([fpos, fpos.new_full((pad,), -1)])
-            new_k.append(k.view(pages, p, d))
-            new_v.append(v.view(pages, p, d))
-            new_pos.append(fpos.view(pages, p))
-            owners += [i] * pages
-        if not owners:
+        slots = self._slots_at(pos_cpu)
+        again = mask & (slots >= 0)
+        if again.any():
+            per_head = self._alive.buf.shape[1] * p
+            self._alive.buf.view(-1)[(torch.arange(hkv).unsqueeze(1) * per_head + slots)[again]] = True
+        fresh = mask & (slots < 0)
+        counts = fresh.sum(dim=1)
+        if not bool(counts.any()):
             return 0
-        k, v = torch.cat(new_k), torch.cat(new_v)
-        ids = [f"l{self.layer}-{self.epoch}-{self._made + j}" for j in range(len(owners))]
-        self._made += len(owners)
+        # The fresh tokens, head by head, in the order their pages take them: (head, store index) each.
+        if self.by_keys and bool((counts > p).any()):
+            order = self._grouped(keys, [torch.nonzero(fresh[i]).flatten() for i in range(hkv)])
+            token_head = torch.repeat_interleave(torch.arange(hkv), counts)
+            token_at = torch.cat(order)
+        else:
+            token_head, token_at = torch.nonzero(fresh).unbind(1)
+        pages = (counts + p - 1) // p
+        page_head = torch.repeat_interleave(torch.arange(hkv), pages)
+        first_page = torch.cumsum(pages, 0) - pages
+        first_token = torch.cumsum(counts, 0) - counts
+        # Each page slot's token; a head's last page is padded with its last token's key (which keeps the
+        # page's bounds), a zero value and position -1.
+        m = int(pages.sum())
+        dest = first_page[token_head] * p + torch.arange(token_at.numel()) - first_token[token_head]
+        taken = torch.full((m * p,), -1, dtype=torch.long)
+        taken[dest] = torch.arange(token_at.numel())
+        pad = taken < 0
+        filled = torch.where(pad, -1, torch.arange(m * p)).cummax(0).values  # a head's pages start with a token
+        src = taken[filled]
+        heads_of, at = token_head[src].to(keys.device), token_at[src].to(keys.device)
+        k = keys[heads_of, at].view(m, p, -1)
+        v = values[heads_of, at].masked_fill(pad.to(keys.device).unsqueeze(-1), 0).view(m, p, -1)
+        pos = torch.where(pad, -1, pos_cpu[token_head[src], token_at[src]]).view(m, p)
+        ids = [f"l{self.layer}-{self.epoch}-{self._made + j}" for j in range(m)]
+        self._made += m
         encoded = self.codec.encode(k, v)
         written = self.host.put_many(self.session_id, ids, encoded)
         # Bounds of the keys a fetch gives back (with int8 these differ from k by up to half a step).
         stored, stored_v = self.codec.decode(encoded, self.dtype)
         kmin, kmax = outward(stored.amin(dim=1).cpu(), up=False), outward(stored.amax(dim=1).cpu(), up=True)
         codes = self._encode_sketch(stored, kmin, kmax)
-        pos = torch.cat(new_pos)
         vsketch = self._sketch_values(stored_v, pos)
-        owner_t = torch.tensor(owners)
-        for i in range(len(self.ids)):
-            rows = torch.nonzero(owner_t == i).flatten()
-            if rows.numel():
-                self._append(i, [ids[r] for r in rows.tolist()], pos[rows], pos[rows] >= 0, kmin[rows], kmax[rows],
-                             codes[rows], tuple(t[rows] for t in vsketch))
+        self._append(page_head, pos, pos >= 0, kmin, kmax, codes, vsketch)
+        for h, n in enumerate(pages.tolist()):
+            if n:
+                start = int(first_page[h])
+                self.ids[h] += ids[start : start + n]
         return written
 
     def _sketch_values(self, values: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -416,7 +413,8 @@ class ColdLayer:
         for i in range(len(self.ids)):
             ids = [f"{prefix}{n}" for n in tensors[f"ids{i}"].tolist()]
             if ids:
-                self._append(i, ids, tensors[f"pos{i}"].long(), tensors[f"alive{i}"],
+                self._append(torch.full((len(ids),), i), tensors[f"pos{i}"].long(), tensors[f"alive{i}"],
                              outward(tensors[f"kmin{i}"], up=False), outward(tensors[f"kmax{i}"], up=True),
                              self._restored_codes(tensors, i, len(ids)), self._restored_values(tensors, i, len(ids)))
+                self.ids[i] += ids
         self.host.adopt_many(self.session_id, self.page_ids())
