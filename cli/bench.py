@@ -74,6 +74,17 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run_serve)
 
+    p = bench.add_parser("rounds", help="in this process: rounds of concurrent short turns after a context each, their "
+                         "prefill and decode steps, against a turn alone")
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--context", type=int, default=1000, help="tokens of filler in each session's first message")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--alone", type=int, default=2, help="sessions that then each send one turn alone")
+    p.add_argument("--mode", default=None, help="cache mode (default: the server's)")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run("bench.rounds"))
+
     p = bench.add_parser("capacity", help="sessions of an N-token history that fit on the device, per mode")
     p.add_argument("--context", type=int, default=8000)
     p.add_argument("--device-budget", type=int, default=None,

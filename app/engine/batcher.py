@@ -56,7 +56,17 @@ import torch
 
 from app.engine.model_runner import ModelRunner, Segment
 from app.engine.sampling import Sampler, sample_batch
-from app.engine.steps import BatchStats, PrefillAbandoned, PrefillGate, RecentMedian, Request, chunk_budget, take
+from app.engine.steps import (
+    BatchStats,
+    PrefillAbandoned,
+    PrefillGate,
+    RecentMedian,
+    Request,
+    StepLog,
+    StepRecord,
+    chunk_budget,
+    take,
+)
 from rocketkv_mt.cache import SessionCache
 
 log = logging.getLogger(__name__)
@@ -97,6 +107,7 @@ class Batcher:
         self.threads = threads
         self.flush_denormal = flush_denormal
         self.stats = BatchStats()
+        self.step_log: StepLog | None = None  # set to record every step (benchmarks)
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._prefills: deque[Request] = deque()
@@ -382,6 +393,9 @@ class Batcher:
         st.decode_tokens += len(batch) - len(prefills)
         st.decode_steps += len(prefills) < len(batch)
         st.mixed_steps += bool(prefills and len(prefills) < len(batch))
+        if self.step_log is not None:
+            self.step_log.add(StepRecord(sum(len(s.ids) for s in prefills), len(prefills), len(batch) - len(prefills),
+                                         step_s))
         if self.on_step is not None:
             try:
                 self.on_step([r.key for r, _ in batch])

@@ -125,6 +125,34 @@ class RecentMedian:
         return statistics.median(self._values) if self._values else 0.0
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One model step: its prefill tokens and segments (chunks included), decode tokens, and seconds."""
+
+    prefill_tokens: int
+    prefills: int
+    decodes: int
+    seconds: float
+
+
+class StepLog:
+    """The last ``n`` steps a batcher ran (``Batcher.step_log``), for benchmarks that ask where a
+    phase's time went; a batcher without one records nothing."""
+
+    def __init__(self, n: int = 100_000):
+        self._records: deque[StepRecord] = deque(maxlen=n)
+
+    def add(self, record: StepRecord) -> None:
+        self._records.append(record)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def since(self, start: int) -> list[StepRecord]:
+        """The records from the ``start``-th one kept (``len`` before a phase) on."""
+        return list(self._records)[start:]
+
+
 @dataclass
 class BatchStats:
     steps: int = 0  # forwards run
