@@ -358,6 +358,7 @@ class Batcher:
                 self._fail(r, exc)
             self._account(batch, t0)
             return
+        self._record(batch, t0)
         for i, (r, s) in enumerate(batch):
             if i in errors:
                 self.stats.failed_segments += 1
@@ -369,6 +370,14 @@ class Batcher:
                     self._unselected.append(r.cache)
                 r.future.set_result(tokens[i])
         self._account(batch, t0)
+
+    def _record(self, batch: list[tuple[Request, Segment]], t0: float) -> None:
+        """Add the step to ``step_log``, if one is set, before its requests get their results: a caller
+        that has its answer finds the step that made it there."""
+        if self.step_log is not None:
+            prefills = [s for _, s in batch if s.prefill]
+            self.step_log.add(StepRecord(sum(len(s.ids) for s in prefills), len(prefills), len(batch) - len(prefills),
+                                         time.perf_counter() - t0))
 
     def _account(self, batch: list[tuple[Request, Segment]], t0: float) -> None:
         step_s = time.perf_counter() - t0
@@ -393,9 +402,6 @@ class Batcher:
         st.decode_tokens += len(batch) - len(prefills)
         st.decode_steps += len(prefills) < len(batch)
         st.mixed_steps += bool(prefills and len(prefills) < len(batch))
-        if self.step_log is not None:
-            self.step_log.add(StepRecord(sum(len(s.ids) for s in prefills), len(prefills), len(batch) - len(prefills),
-                                         step_s))
         if self.on_step is not None:
             try:
                 self.on_step([r.key for r, _ in batch])
