@@ -141,16 +141,20 @@ class StepLog:
 
     def __init__(self, n: int = 100_000):
         self._records: deque[StepRecord] = deque(maxlen=n)
+        self._added = 0
 
     def add(self, record: StepRecord) -> None:
         self._records.append(record)
+        self._added += 1
 
     def __len__(self) -> int:
-        return len(self._records)
+        """Steps recorded so far, those no longer kept included."""
+        return self._added
 
     def since(self, start: int) -> list[StepRecord]:
-        """The records from the ``start``-th one kept (``len`` before a phase) on."""
-        return list(self._records)[start:]
+        """The steps recorded from the ``start``-th on (``len`` before a phase), of those still kept."""
+        first_kept = self._added - len(self._records)
+        return list(self._records)[max(0, start - first_kept):]
 
 
 @dataclass

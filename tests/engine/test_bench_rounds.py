@@ -3,6 +3,7 @@ import argparse
 
 import pytest
 
+from app.engine.steps import StepLog, StepRecord
 from bench import rounds
 
 pytestmark = pytest.mark.slow
@@ -24,3 +25,16 @@ async def test_each_phase_counts_exactly_the_steps_its_turns_ran(make_engine):
     assert result["alone"][0]["mean_decode_batch"] in (None, 1.0)
     assert result["ratio"] > 0
     assert engine.batcher.step_log is None  # the engine is left as it was
+
+
+def test_a_step_log_counts_past_what_it_keeps():
+    log = StepLog(n=3)
+    records = [StepRecord(i, 1, 0, 0.1) for i in range(5)]
+    for r in records[:2]:
+        log.add(r)
+    start = len(log)
+    for r in records[2:]:
+        log.add(r)
+    assert len(log) == 5
+    assert log.since(start) == records[2:]  # the first two fell out of the log: the phase's three did not
+    assert log.since(0) == records[2:]
