@@ -207,12 +207,12 @@ class ColdLayer:
         slots = torch.gather(table, 1, torch.where(known, positions, 0))
         return torch.where(known, slots, -1)
 
-    def _append(self, heads: torch.Tensor, pos: torch.Tensor, alive: torch.Tensor, kmin: torch.Tensor,
-                kmax: torch.Tensor, codes: torch.Tensor, vsketch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-                ) -> None:
+    def _append(self, heads: torch.Tensor, ids: list[str], pos: torch.Tensor, alive: torch.Tensor,
+                kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+                vsketch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """New pages, each after the pages its head holds already, in order: the head of each (m,)
-        (ascending), their positions and alive flags (m, P), bounds (m, d), sketch codes (m, P, c), and
-        the value sketch: codes (m, P, c) and bounds (m, d) twice (c and d = 0 without a sketch).
+        (ascending), their ids, positions and alive flags (m, P), bounds (m, d), sketch codes (m, P, c),
+        and the value sketch: codes (m, P, c) and bounds (m, d) twice (c and d = 0 without a sketch).
         Every table is written in one indexed copy for all heads."""
         p = self.page_tokens
         counts = torch.bincount(heads, minlength=len(self.ids))
@@ -229,6 +229,16 @@ class ColdLayer:
         flat = (rows.unsqueeze(1) * p + torch.arange(p)).expand_as(pos)
         self._slot_of.ensure(int(pos.max()) + 1 if pos.numel() else 0)
         self._slot_of.buf[heads.unsqueeze(1).expand_as(pos)[real], pos[real]] = flat[real]
+        start = 0
+        for h, n in enumerate(counts.tolist()):
+            self.ids[h] += ids[start : start + n]
+            start += n
+
+    def _mark(self, slots: torch.Tensor, cold: bool) -> None:
+        """Set the alive flag of flat slots (Hkv, L) (-1: none) to ``cold``."""
+        per_head = self._alive.buf.shape[1] * self.page_tokens
+        flat = torch.arange(slots.shape[0]).unsqueeze(1) * per_head + slots
+        self._alive.buf.view(-1)[flat[slots >= 0]] = cold
 
     # --- moves -------------------------------------------------------------------------------
     def demote(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> int:
@@ -241,10 +251,7 @@ class ColdLayer:
         p, hkv = self.page_tokens, mask.shape[0]
         mask, pos_cpu = mask.cpu(), positions.cpu()
         slots = self._slots_at(pos_cpu)
-        again = mask & (slots >= 0)
-        if again.any():
-            per_head = self._alive.buf.shape[1] * p
-            self._alive.buf.view(-1)[(torch.arange(hkv).unsqueeze(1) * per_head + slots)[again]] = True
+        self._mark(torch.where(mask, slots, -1), cold=True)
         fresh = mask & (slots < 0)
         counts = fresh.sum(dim=1)
         if not bool(counts.any()):
@@ -269,10 +276,11 @@ class ColdLayer:
         pad = taken < 0
         filled = torch.where(pad, -1, torch.arange(m * p)).cummax(0).values  # a head's pages start with a token
         src = taken[filled]
-        heads_of, at = token_head[src].to(keys.device), token_at[src].to(keys.device)
-        k = keys[heads_of, at].view(m, p, -1)
-        v = values[heads_of, at].masked_fill(pad.to(keys.device).unsqueeze(-1), 0).view(m, p, -1)
-        pos = torch.where(pad, -1, pos_cpu[token_head[src], token_at[src]]).view(m, p)
+        head_of, at = token_head[src], token_at[src]
+        pos = torch.where(pad, -1, pos_cpu[head_of, at]).view(m, p)
+        head_of, at = head_of.to(keys.device), at.to(keys.device)
+        k = keys[head_of, at].view(m, p, -1)
+        v = values[head_of, at].masked_fill(pad.to(keys.device).unsqueeze(-1), 0).view(m, p, -1)
         ids = [f"l{self.layer}-{self.epoch}-{self._made + j}" for j in range(m)]
         self._made += m
         encoded = self.codec.encode(k, v)
@@ -282,11 +290,7 @@ class ColdLayer:
         kmin, kmax = outward(stored.amin(dim=1).cpu(), up=False), outward(stored.amax(dim=1).cpu(), up=True)
         codes = self._encode_sketch(stored, kmin, kmax)
         vsketch = self._sketch_values(stored_v, pos)
-        self._append(page_head, pos, pos >= 0, kmin, kmax, codes, vsketch)
-        for h, n in enumerate(pages.tolist()):
-            if n:
-                start = int(first_page[h])
-                self.ids[h] += ids[start : start + n]
+        self._append(page_head, ids, pos, pos >= 0, kmin, kmax, codes, vsketch)
         return written
 
     def _sketch_values(self, values: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -319,10 +323,7 @@ class ColdLayer:
 
     def promote(self, slots: torch.Tensor) -> None:
         """Mark flat cold slots (Hkv, m) (-1: none) as held on the device again."""
-        slots = slots.cpu()
-        per_head = self._alive.buf.shape[1] * self.page_tokens
-        flat = torch.arange(slots.shape[0]).unsqueeze(1) * per_head + slots
-        self._alive.buf.view(-1)[flat[slots >= 0]] = False
+        self._mark(slots.cpu(), cold=False)
 
     def fetch(self, pages: torch.Tensor, device: torch.device, traffic: Traffic):
         """Read the given pages (Hkv, n) (one batched read) -> keys, values (Hkv, n * P, d), positions,
@@ -413,8 +414,7 @@ class ColdLayer:
         for i in range(len(self.ids)):
             ids = [f"{prefix}{n}" for n in tensors[f"ids{i}"].tolist()]
             if ids:
-                self._append(torch.full((len(ids),), i), tensors[f"pos{i}"].long(), tensors[f"alive{i}"],
+                self._append(torch.full((len(ids),), i), ids, tensors[f"pos{i}"].long(), tensors[f"alive{i}"],
                              outward(tensors[f"kmin{i}"], up=False), outward(tensors[f"kmax{i}"], up=True),
                              self._restored_codes(tensors, i, len(ids)), self._restored_values(tensors, i, len(ids)))
-                self.ids[i] += ids
         self.host.adopt_many(self.session_id, self.page_ids())
