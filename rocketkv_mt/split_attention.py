@@ -56,6 +56,8 @@ def attend_part(
         logits = _logits(q, keys, scaling, n - w, n, own_tail, visible, first_row, backend=backend)
         top = _row_top(logits)
         return Part(out, lse, torch.exp(logits - top), top)
+    # Once for every block of rows (the same tensors where they are float32 already).
+    keys, values = keys.float(), values.float()
     out = torch.empty(hq, n, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(hq, n, dtype=torch.float32, device=q.device)
     window = None
