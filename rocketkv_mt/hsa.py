@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from rocketkv_mt.take_rows import take_rows
+
 
 def select_channels(q: torch.Tensor, topr: int) -> torch.Tensor:
     """q (Hkv, G, d) -> indices (Hkv, r) of the channels with the largest |q| summed over the group."""
@@ -98,10 +100,8 @@ def sparse_attention(
     scaling: float,
 ) -> torch.Tensor:
     """Exact attention of q (Hkv, G, d) over the gathered tokens (Hkv, T) of keys/values (Hkv, L, d)."""
-    d = keys.shape[-1]
-    idx = tokens.unsqueeze(-1).expand(-1, -1, d)
-    k_sel = torch.gather(keys, 1, idx)
-    v_sel = torch.gather(values, 1, idx)
+    k_sel = take_rows(keys, tokens)
+    v_sel = take_rows(values, tokens)
     logits = torch.matmul(q.float(), k_sel.float().transpose(1, 2)) * scaling  # (Hkv, G, T)
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)

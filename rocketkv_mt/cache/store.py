@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from rocketkv_mt.take_rows import take_rows
+
 
 class LayerKV:
     """Kept tokens of one layer, the same count for every KV head.
@@ -98,10 +100,8 @@ class LayerKV:
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep only tokens idx (Hkv, m) (indices into the current kept tokens, ascending), compacted."""
-        d = self._k.shape[-1]
-        gidx = idx.unsqueeze(-1).expand(-1, -1, d)
-        k = torch.gather(self.keys, 1, gidx)
-        v = torch.gather(self.values, 1, gidx)
+        k = take_rows(self.keys, idx)
+        v = take_rows(self.values, idx)
         pos = torch.gather(self.positions, 1, idx)
         m = idx.shape[1]
         self._k[:, :m] = k

@@ -10,6 +10,7 @@ from rocketkv_mt.cache.policy import CacheState, PrefillPolicy, TurnSize
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 from rocketkv_mt.dispatch import reselect
+from rocketkv_mt.take_rows import take_rows
 
 
 class ReselectDevice(PrefillPolicy):
@@ -35,8 +36,7 @@ class ReselectDevice(PrefillPolicy):
                 q_win, full.keys, full.positions, None, full.length, split.prompt_budget, split.kernel_size, scaling,
                 backend=cache.spec.kernels,
             )
-            idx = slots.unsqueeze(-1).expand(-1, -1, full.keys.shape[-1])
-            turn.replace(torch.gather(full.keys, 1, idx), torch.gather(full.values, 1, idx), positions)
+            turn.replace(take_rows(full.keys, slots), take_rows(full.values, slots), positions)
         cache.selected(layer, turn, scores)
 
     def extend_decode_set(self, layer: int) -> LayerKV:

@@ -30,6 +30,7 @@ from rocketkv_mt.cold_select import (
 from rocketkv_mt.dispatch import choose_over_parts, reselect
 from rocketkv_mt.split_attention import Part, attend_part, join_rows, merge, window_probs
 from rocketkv_mt.standin import StandIn, beside, standin_pages
+from rocketkv_mt.take_rows import take_rows
 from tiers.base import batch_nbytes
 from tiers.cold_layer import ColdLayer, Sketched
 
@@ -114,9 +115,7 @@ def promoted_only(slots: torch.Tensor, device_slots: int, cand: tuple) -> tuple[
     order = torch.argsort((~from_cold).to(torch.int8), dim=1, stable=True)[:, :m]  # promotions first, in order
     picked = torch.gather((slots - device_slots).clamp(min=0), 1, order)
     valid = torch.gather(from_cold, 1, order)
-    d = cand[0].shape[-1]
-    idx = picked.unsqueeze(-1).expand(-1, -1, d)
-    kept = (torch.gather(cand[0], 1, idx), torch.gather(cand[1], 1, idx), torch.gather(cand[2], 1, picked),
+    kept = (take_rows(cand[0], picked), take_rows(cand[1], picked), torch.gather(cand[2], 1, picked),
             torch.gather(cand[3], 1, picked) & valid, torch.where(valid, torch.gather(cand[4], 1, picked), -1))
     rank = torch.cumsum(from_cold.long(), dim=1) - 1
     return torch.where(from_cold, device_slots + rank, slots), kept
@@ -331,7 +330,7 @@ class ReselectTiered(PrefillPolicy):
         cache = self.cache
         store, cold = cache.layers[layer], self.cold[layer]
         self._whole[layer] = None  # its cold set changes here
-        t, d = store.length, store.keys.shape[-1]
+        t = store.length
         keys, values = store.keys, store.values
         from_cold = slots >= t
         if cand is not None and cand[0].shape[1]:
@@ -339,8 +338,7 @@ class ReselectTiered(PrefillPolicy):
             cold_slot = torch.gather(cand[4], 1, (slots - t).clamp(min=0))
             cold.promote(torch.where(from_cold, cold_slot, -1))
             cache.readmitted += int(from_cold.sum())
-        idx = slots.unsqueeze(-1).expand(-1, -1, d)
-        new_k, new_v = torch.gather(keys, 1, idx), torch.gather(values, 1, idx)
+        new_k, new_v = take_rows(keys, slots), take_rows(values, slots)
         kept = torch.zeros(slots.shape[0], t + 1, dtype=torch.bool, device=slots.device)
         kept.scatter_(1, torch.where(from_cold, t, slots), True)
         cache.traffic.bytes_demoted += cold.demote(store.keys, store.values, store.positions, ~kept[:, :t])
@@ -416,7 +414,7 @@ class ReselectTiered(PrefillPolicy):
         self.cache.traffic.digest_bytes_read += values[1]
         slots = (picked.clamp(min=0).unsqueeze(-1) * p + torch.arange(p, device=picked.device)).flatten(1)
         alive = torch.gather(sketch.alive, 1, slots) & (picked >= 0).repeat_interleave(p, dim=1)
-        keys = torch.gather(sketch.keys, 1, slots.unsqueeze(-1).expand(-1, -1, sketch.keys.shape[-1]))
+        keys = take_rows(sketch.keys, slots)
         return StandIn(keys, values[0], alive)
 
     def _sketch(self, layer: int, pool: torch.Tensor, bounds_read: bool = False) -> Sketched:
