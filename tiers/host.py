@@ -190,7 +190,10 @@ class HostTier:
             at = torch.tensor([i for i, _ in hits], dtype=torch.long)
             slots = torch.tensor([s for _, s in hits], dtype=torch.long)
             for name, t in self._pool.items():
-                out[name].index_copy_(0, at, t.index_select(0, slots))
+                if misses:
+                    out[name].index_copy_(0, at, t.index_select(0, slots))
+                else:  # every page a hit, in order: selected straight into the output, one copy not two
+                    torch.index_select(t, 0, slots, out=out[name])
             for i, _ in hits:
                 self._resident.move_to_end(keys[i])
             self.stats.hits += len(hits)
