@@ -1,4 +1,4 @@
-"""KT cache: element-wise min and max of the keys of each page, per KV head (torch reference).
+"""KT cache: element-wise min and max of the keys of each page, per KV head (torch, or native C on a CPU).
 
 Pages are consecutive runs of ``page_size`` kept tokens, aligned to index 0 of the kept cache;
 the last page may be partial. Shapes: Hkv KV heads, L kept tokens, P = ceil(L / page_size) pages.
@@ -6,6 +6,8 @@ the last page may be partial. Shapes: Hkv KV heads, L kept tokens, P = ceil(L / 
 from __future__ import annotations
 
 import torch
+
+from rocketkv_mt.native import kt_bounds as native_kt
 
 
 def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,23 +22,37 @@ def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return paged.amin(dim=2), paged.amax(dim=2)
 
 
+def bounds_buffer(keys: torch.Tensor, page_size: int, spare_pages: int, backend: str = "auto") -> torch.Tensor:
+    """keys (Hkv, L, d) -> (Hkv, 2d, P + spare_pages): per page the max of its keys over their min,
+    the page axis last; spare pages zero. On the native C kernel (float32 CPU keys, rows contiguous)
+    where ``backend`` allows it ("auto", "native") and it builds here, else in torch: the same values."""
+    if backend in ("auto", "native"):
+        if native_kt.supports(keys):
+            return native_kt.bounds_buffer(keys, page_size, spare_pages)
+        if backend == "native":
+            raise RuntimeError("the native KT bounds need float32 CPU keys with contiguous rows and a C compiler here")
+    kmin, kmax = page_minmax(keys, page_size)
+    hkv, pages, d = kmin.shape
+    bounds = torch.zeros(hkv, 2 * d, pages + spare_pages, dtype=keys.dtype, device=keys.device)
+    bounds[:, :d, :pages] = kmax.transpose(1, 2)
+    bounds[:, d:, :pages] = kmin.transpose(1, 2)
+    return bounds
+
+
 class KTCache:
     """Page bounds of one layer in one preallocated buffer: (Hkv, 2d, pages) = [max ; min] per page.
 
     Max and min stacked along the channel axis let HSA score every page with one matmul, and the
-    page axis last makes that matmul read the buffer as a plain row-major matrix.
+    page axis last makes that matmul read the buffer as a plain row-major matrix. ``backend`` picks
+    how the bounds are built (``bounds_buffer``).
     """
 
-    def __init__(self, keys: torch.Tensor, page_size: int, spare_pages: int = 64):
+    def __init__(self, keys: torch.Tensor, page_size: int, spare_pages: int = 64, *, backend: str = "auto"):
         self.page_size = page_size
         self.length = keys.shape[1]
-        kmin, kmax = page_minmax(keys, page_size)
-        hkv, pages, d = kmin.shape
-        self.head_dim = d
-        self._bounds = torch.zeros(hkv, 2 * d, pages + spare_pages, dtype=keys.dtype, device=keys.device)
-        self._bounds[:, :d, :pages] = kmax.transpose(1, 2)
-        self._bounds[:, d:, :pages] = kmin.transpose(1, 2)
-        self.pages = pages
+        self.head_dim = keys.shape[2]
+        self._bounds = bounds_buffer(keys, page_size, spare_pages, backend)
+        self.pages = -(-self.length // page_size)
 
     @property
     def bounds(self) -> torch.Tensor:

@@ -7,7 +7,7 @@ window mass of a tiered turn's sketched cold tokens in one pass per row of their
 ``stage1_choose.c`` makes Stage 1's choice over slots in any order (twice a layer in a tiered turn),
 ``softmax_rows.c`` takes the exponentials of a tiered turn's attention parts, and ``attend_rows.c``
 the causal attention of a prefill chunk's few rows over the history, and the two products of such a
-part.
+part; ``kt_bounds.c`` builds a layer's KT page bounds when a cache selects.
 The shared library is built for this machine (``-march=native``) into the cache directory, under a
 name that hashes the sources, the flags and the CPU, so a copy built on another machine is never
 loaded. Where no compiler is found the loader returns None and callers keep the torch paths
@@ -29,7 +29,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("hsa_decode.c", "pool_mass.c", "stage1_choose.c",
-                                                             "softmax_rows.c", "attend_rows.c"))
+                                                             "softmax_rows.c", "attend_rows.c", "kt_bounds.c"))
 # Fast math at compile time only (it vectorises expf): linking with it would switch the whole process
 # to flush-to-zero on some toolchains. The kernel never relies on inf or NaN.
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-ffast-math")
@@ -103,6 +103,9 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [
         ctypes.c_float, ctypes.c_void_p]
+    fn = lib.rkv_page_bounds
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p, ctypes.c_int64]
     fn = lib.rkv_row_values
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [
