@@ -187,13 +187,15 @@ class HostTier:
         out = {name: torch.empty(len(keys), *t.shape[1:], dtype=t.dtype, pin_memory=self.pin)
                for name, t in self._pool.items()}
         if hits:
-            at = torch.tensor([i for i, _ in hits], dtype=torch.long)
             slots = torch.tensor([s for _, s in hits], dtype=torch.long)
+            # With no misses the hits are every page, in order: selected straight into the output (one
+            # copy, not a selection then a copy into place), and no positions to place them at.
+            at = torch.tensor([i for i, _ in hits], dtype=torch.long) if misses else None
             for name, t in self._pool.items():
-                if misses:
-                    out[name].index_copy_(0, at, t.index_select(0, slots))
-                else:  # every page a hit, in order: selected straight into the output, one copy not two
+                if at is None:
                     torch.index_select(t, 0, slots, out=out[name])
+                else:
+                    out[name].index_copy_(0, at, t.index_select(0, slots))
             for i, _ in hits:
                 self._resident.move_to_end(keys[i])
             self.stats.hits += len(hits)
