@@ -80,6 +80,18 @@ def part_logits(q: torch.Tensor, keys: torch.Tensor, scaling: float, *, backend:
     return torch.matmul(q.float(), keys.float().transpose(1, 2)).mul_(scaling)
 
 
+def takes_part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, backend: str = "auto") -> bool:
+    """Whether ``whole_part`` can run these tensors on the native kernel (float32 CPU tensors, contiguous
+    key and value rows, a head dim it takes) and ``backend`` allows it."""
+    return backend in ("auto", "native") and native_rows.supports(q, keys, values)
+
+
+def whole_part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, w: int, own_tail: int,
+               visible: torch.Tensor | None, first_row: int):
+    """An attention part in one native call: ``native.attend_rows.part``. Ask ``takes_part`` first."""
+    return native_rows.part(q, keys, values, scaling, w, own_tail, visible, first_row)
+
+
 def part_values(probs: torch.Tensor, values: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """probs (Hkv, M, T) float32 . values (Hkv, T, d) -> (Hkv, M, d): native where ``part_logits`` is."""
     if backend in ("auto", "native") and native_rows.takes_rows(probs, values):

@@ -22,21 +22,37 @@ def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return paged.amin(dim=2), paged.amax(dim=2)
 
 
-def bounds_buffer(keys: torch.Tensor, page_size: int, spare_pages: int, backend: str = "auto") -> torch.Tensor:
+def bounds_buffer(keys: torch.Tensor, page_size: int, spare_pages: int, backend: str = "auto",
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """keys (Hkv, L, d) -> (Hkv, 2d, P + spare_pages): per page the max of its keys over their min,
     the page axis last; spare pages zero. On the native C kernel (float32 CPU keys, rows contiguous)
-    where ``backend`` allows it ("auto", "native") and it builds here, else in torch: the same values."""
+    where ``backend`` allows it ("auto", "native") and it builds here, else in torch: the same values.
+    ``out``: a buffer to write them into instead (every page past P zeroed), where it fits
+    (``fits``); else a new one."""
+    hkv, length, d = keys.shape
+    pages = -(-length // page_size)
+    if not fits(out, keys, pages + spare_pages):
+        out = None
     if backend in ("auto", "native"):
         if native_kt.supports(keys):
-            return native_kt.bounds_buffer(keys, page_size, spare_pages)
+            return native_kt.bounds_buffer(keys, page_size, spare_pages, out)
         if backend == "native":
             raise RuntimeError("the native KT bounds need float32 CPU keys with contiguous rows and a C compiler here")
     kmin, kmax = page_minmax(keys, page_size)
-    hkv, pages, d = kmin.shape
-    bounds = torch.zeros(hkv, 2 * d, pages + spare_pages, dtype=keys.dtype, device=keys.device)
-    bounds[:, :d, :pages] = kmax.transpose(1, 2)
-    bounds[:, d:, :pages] = kmin.transpose(1, 2)
-    return bounds
+    if out is None:
+        out = torch.empty(hkv, 2 * d, pages + spare_pages, dtype=keys.dtype, device=keys.device)
+    out[:, :, pages:] = 0
+    out[:, :d, :pages] = kmax.transpose(1, 2)
+    out[:, d:, :pages] = kmin.transpose(1, 2)
+    return out
+
+
+def fits(buffer: torch.Tensor | None, keys: torch.Tensor, capacity: int) -> bool:
+    """Whether ``buffer`` can hold the bounds of ``keys`` (Hkv, L, d) in at least ``capacity`` pages:
+    the same heads, channels, dtype and device, contiguous."""
+    hkv, _, d = keys.shape
+    return (buffer is not None and buffer.shape[:2] == (hkv, 2 * d) and buffer.shape[2] >= capacity
+            and buffer.dtype == keys.dtype and buffer.device == keys.device and buffer.is_contiguous())
 
 
 class KTCache:
@@ -47,11 +63,20 @@ class KTCache:
     how the bounds are built (``bounds_buffer``).
     """
 
-    def __init__(self, keys: torch.Tensor, page_size: int, spare_pages: int = 64, *, backend: str = "auto"):
+    def __init__(self, keys: torch.Tensor, page_size: int, spare_pages: int = 64, *, backend: str = "auto",
+                 reuse: "KTCache | None" = None):
         self.page_size = page_size
         self.length = keys.shape[1]
         self.head_dim = keys.shape[2]
-        self._bounds = bounds_buffer(keys, page_size, spare_pages, backend)
+        # ``reuse``: a cache no longer read (the layer's previous decode set), whose buffer is written
+        # over where it holds these pages and the spare ones: a fresh buffer every layer and turn was
+        # faulted in page by page (~0.6 MB a layer of 700 kept tokens; on the load bench a third of
+        # the page faults of a round). One that does not fit is replaced by one with twice the spare
+        # pages, which the next turn's, about as long (Stage 1 keeps the prompt budget), then fits.
+        old = reuse._bounds if reuse is not None else None
+        if not fits(old, keys, -(-self.length // page_size) + spare_pages):
+            old, spare_pages = None, (2 * spare_pages if reuse is not None else spare_pages)
+        self._bounds = bounds_buffer(keys, page_size, spare_pages, backend, old)
         self.pages = -(-self.length // page_size)
 
     @property

@@ -58,6 +58,9 @@ def attend_part(
         return Part(out, lse, torch.exp(logits - top), top)
     # Once for every block of rows (the same tensors where they are float32 already).
     keys, values = keys.float(), values.float()
+    if n <= ROWS and dispatch.takes_part(q, keys, values, backend=backend):
+        # The whole part in one native call: the torch ops below cost more to dispatch than to run.
+        return Part(*dispatch.whole_part(q, keys, values, scaling, w, own_tail, visible, first_row))
     out = torch.empty(hq, n, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(hq, n, dtype=torch.float32, device=q.device)
     window = None

@@ -77,3 +77,35 @@ def part_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                                 out.data_ptr()) != 0:
         raise ValueError(f"the native part products do not take head dim {d}")
     return out
+
+
+def part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, w: int, own_tail: int,
+         visible: torch.Tensor | None, row0: int
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A whole attention part in one call (``rkv_attend_part``): q (Hq, n, d) float32, the turn's rows
+    row0 .. row0 + n - 1, over keys/values (Hkv, T, d) whose last ``own_tail`` are the turn's own
+    (causal), ``visible`` (Hkv, T) or None. Returns out (Hq, n, d), lse (Hq, n), and for the last ``w``
+    rows (all n where fewer) their numerators exp(logit - top) (Hkv, G, w, T) and tops (Hkv, G, w, 1) (None, None without
+    window rows): what ``rocketkv_mt.split_attention.attend_part`` makes of one block of rows. Pass
+    ``supports`` first."""
+    if not supports(q, keys, values):
+        raise ValueError("the native attention part needs float32 CPU tensors with contiguous key rows")
+    hq, n, d = q.shape
+    hkv, t, _ = keys.shape
+    g, w = hq // hkv, min(w, n)
+    q = q.contiguous()
+    out = torch.empty(hq, n, d, dtype=torch.float32)
+    lse = torch.empty(hq, n, dtype=torch.float32)
+    wprobs = torch.empty(hkv, g, w, t, dtype=torch.float32)
+    wtop = torch.empty(hkv, g, w, 1, dtype=torch.float32)
+    scratch = torch.empty(g * n * (t + 1), dtype=torch.float32)
+    vis = 0
+    if visible is not None:
+        visible = visible.to(torch.bool).contiguous()
+        vis = visible.data_ptr()
+    rc = library().rkv_attend_part(q.data_ptr(), hkv, g, n, d, keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                                   t, scaling, row0, own_tail, vis, w, scratch.data_ptr(), out.data_ptr(),
+                                   lse.data_ptr(), wprobs.data_ptr(), wtop.data_ptr())
+    if rc != 0:
+        raise ValueError(f"the native attention part does not take head dim {d}")
+    return out, lse, (wprobs if w else None), (wtop if w else None)

@@ -1,6 +1,7 @@
 """The native causal attention of a few rows over a contiguous history (``native/attend_rows.c``):
 equal to the masked SDPA it replaces for prefill chunks on the CPU, for tiles of rows and blocks of
-keys cut anywhere, over key rows that are views into a longer store buffer."""
+keys cut anywhere, over key rows that are views into a longer store buffer; and a tiered turn's
+attention part in one call, equal to the torch ops it replaces."""
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.native import attend_rows as native_rows
 from rocketkv_mt.native import available
+from rocketkv_mt.split_attention import ROWS, Part, attend_part
 
 from test_prefill_attention import reference_dense
 
@@ -137,3 +139,50 @@ def test_part_products_decline_what_they_cannot_take():
     with pytest.raises(ValueError):  # fewer value rows than the probabilities' keys
         native_rows.part_values(torch.rand(2, 4, 9), torch.randn(2, 8, 64))
     assert torch.allclose(dispatch.part_logits(q, keys, 0.5), torch.matmul(q, keys.transpose(1, 2)) * 0.5)
+
+
+def torch_part(*args, **kwargs) -> Part:
+    return attend_part(*args, **kwargs, backend="torch")
+
+
+# (Hkv, G, n, T, d, w, own_tail, first_row, visible): the window part of a short turn (its own keys
+# last, causal), the rows before it (first_row 0, no window), a read-back part (slots without tokens,
+# a head that sees none), a window longer than the rows, head dim 128, one row.
+PARTS = [(3, 3, 25, 281, 64, 25, 25, 0, False), (3, 3, 7, 300, 64, 0, 32, 0, False),
+         (3, 3, 9, 290, 64, 9, 32, 23, False), (3, 3, 25, 384, 64, 25, 0, 0, True),
+         (2, 4, 12, 150, 128, 32, 0, 0, True), (1, 3, 1, 70, 64, 1, 1, 0, False), (2, 2, 40, 65, 128, 16, 40, 0, True)]
+
+
+@pytest.mark.parametrize("hkv,g,n,t,d,w,own_tail,first_row,hidden", PARTS)
+def test_a_whole_part_in_one_call_equals_the_torch_part(hkv, g, n, t, d, w, own_tail, first_row, hidden):
+    gen = torch.Generator().manual_seed(t + n)
+    q = torch.randn(hkv * g, n, d, generator=gen)
+    keys, values = stored(hkv, t, d, gen)
+    visible = None
+    if hidden:
+        visible = torch.rand(hkv, t, generator=gen) > 0.3
+        visible[0] = False  # a head whose rows see no key: output 0, log-sum-exp -inf
+    assert dispatch.takes_part(q, keys, values)
+    native = Part(*dispatch.whole_part(q, keys, values, 0.3, w, own_tail, visible, first_row))
+    reference = torch_part(q, keys, values, 0.3, w, own_tail=own_tail, visible=visible, first_row=first_row)
+    torch.testing.assert_close(native.out, reference.out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(native.lse, reference.lse, atol=1e-5, rtol=0)  # -inf where the reference has it
+    if w:
+        torch.testing.assert_close(native.window_probs, reference.window_probs, atol=1e-6, rtol=0)
+        torch.testing.assert_close(native.window_top, reference.window_top, atol=1e-5, rtol=0)
+    else:
+        assert native.window_probs is None and reference.window_probs is None
+    if hidden:
+        assert torch.isneginf(native.lse[:g]).all() and not native.out[:g].any()
+
+
+def test_attend_part_takes_the_one_call_for_a_turn_of_few_rows_only(monkeypatch):
+    calls = []
+    part = native_rows.part
+    monkeypatch.setattr(native_rows, "part", lambda *a: calls.append(a[0].shape[1]) or part(*a))
+    gen = torch.Generator().manual_seed(3)
+    keys, values = stored(3, 90, 64, gen)
+    attend_part(torch.randn(9, 20, 64, generator=gen), keys, values, 0.3, 8, own_tail=20)
+    attend_part(torch.randn(9, ROWS + 1, 64, generator=gen), keys, values, 0.3, 8)  # row blocks: the torch ops
+    attend_part(torch.randn(9, 20, 64, dtype=torch.float64, generator=gen), keys.double(), values.double(), 0.3, 8)
+    assert calls == [20]

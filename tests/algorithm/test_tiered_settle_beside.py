@@ -1,6 +1,7 @@
-"""A layer read whole applies its selection (promote, demote, the decode set) on the page reader while
-the model thread goes on with the next layer; selection, outputs and cold tier come out exactly as
-when it is applied inline, and a step that fails leaves nothing running on the reader."""
+"""A layer read whole chooses and applies its selection (promote, demote, the decode set) on the page
+reader while the model thread goes on with the next layer, whose pages the reader has read meanwhile;
+selection, outputs and cold tier come out exactly as when all of it runs inline, and a step that
+fails leaves nothing running on the reader."""
 import threading
 
 import pytest
@@ -83,5 +84,42 @@ def test_a_step_that_fails_after_a_layer_went_to_the_reader_leaves_nothing_runni
             cache.attend(1, *inputs[1], SPEC.head_dim ** -0.5)  # the next layer waits for it, and fails
         cache.release()
         assert pending.future.done() and all(p is None for p in cache.prefill._pending)
+        assert all(r is None for r in cache.prefill._reads)  # layer 1's read, started beside layer 0, ended
+    finally:
+        transfers.close()
+
+
+def test_the_next_layer_read_whole_is_read_on_the_page_reader(monkeypatch):
+    fetches = []
+    fetch = ColdLayer.fetch
+
+    def recorded(self, *args, **kwargs):
+        fetches.append((self.layer, threading.current_thread().name))
+        return fetch(self, *args, **kwargs)
+
+    monkeypatch.setattr(ColdLayer, "fetch", recorded)
+    transfers = Transfers(torch.device("cpu"))
+    try:
+        outs = []
+        for reader in (None, transfers):
+            tiers = TierContext(HostTier(64 << 20, None), f"read-beside-{reader is not None}", POLICY,
+                                transfers=reader)
+            cache = make_cache("tiered", SPEC, ROCKET, tiers=tiers)
+            gen = torch.Generator().manual_seed(9)
+            forward(cache, layer_inputs(gen, 200), prefill=True)
+            cache.end_turn()
+            fetches.clear()
+            # A turn of no more rows than the window: nothing else to overlap, so the first layer's
+            # read stays on this thread; every later layer's was started beside the layer before it.
+            outs.append(forward(cache, layer_inputs(gen, 6), prefill=True, max_new=2))
+            on_reader = sorted(layer for layer, name in fetches if name.startswith("rkv-pages"))
+            here = [layer for layer, name in fetches if not name.startswith("rkv-pages")]
+            if reader is not None:
+                assert on_reader == list(range(1, SPEC.num_layers)) and here == [0]
+                assert all(r is None for r in cache.prefill._reads)  # each handed over to its layer
+            else:
+                assert here == list(range(SPEC.num_layers))
+        for a, b in zip(*outs, strict=True):
+            assert torch.equal(a, b)
     finally:
         transfers.close()

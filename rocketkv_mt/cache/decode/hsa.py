@@ -43,7 +43,7 @@ class HSADecode:
 
     def prepare(self, layer: int, store: LayerKV, scores: torch.Tensor | None, split: BudgetSplit) -> None:
         self.anchors[layer] = None if scores is None else anchor_pages(scores, split.page_size, split.anchor_pages)
-        self.kt[layer] = KTCache(store.keys, split.page_size, backend=self.spec.kernels)
+        self.kt[layer] = KTCache(store.keys, split.page_size, backend=self.spec.kernels, reuse=self.kt[layer])
 
     def attend(self, layer: int, q: torch.Tensor, store: LayerKV, split: BudgetSplit, scaling: float) -> torch.Tensor:
         """q (Hq, 1, d) -> (Hq, 1, d)."""

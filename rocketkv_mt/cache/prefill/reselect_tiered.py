@@ -86,16 +86,17 @@ class Choosing:
 
 @dataclass
 class Settling:
-    """A layer's re-selection being applied on the page reader (promote, demote, the decode set) while
-    the model thread goes on with the next layer, which waits for it before reading its own pages:
-    ``chosen`` hands over nothing left to apply. ``pending``, and every page it read, is held until then."""
+    """A layer's re-selection being chosen and applied on the page reader (Stage 1's choice, promote,
+    demote, the decode set) while the model thread goes on with the next layer, which waits for it
+    before reading its own pages: ``chosen`` hands over nothing left to apply. ``cand``, every page
+    the layer read, is held until then."""
 
     future: object  # concurrent.futures.Future of the application
-    pending: Pending
+    cand: tuple
     transfers: object
 
     def nbytes(self) -> int:
-        return self.pending.nbytes()
+        return read_bytes(self.cand)
 
     def chosen(self) -> None:
         self.transfers.wait(self.future)
@@ -171,6 +172,9 @@ class ReselectTiered(PrefillPolicy):
         # before it computes (``_prefetch_sketch``): its estimated keys do not depend on the queries.
         self._sketches: list[tuple[torch.Tensor, object] | None] = [None] * spec.num_layers
         self._sketch_dtype = sketch_dtype(spec.device, spec.dtype)
+        # A layer read whole (``reads_whole``): its pages, read on the page reader while the layer before
+        # it computes (``_prefetch_read``); they do not depend on the queries either.
+        self._reads: list[object | None] = [None] * spec.num_layers
         # Per layer, whether this turn reads it whole (``_reads_whole``), known until its cold set changes:
         # asked when the layer before prefetches its sketch and again when it attends.
         self._whole: list[bool | None] = [None] * spec.num_layers
@@ -221,6 +225,7 @@ class ReselectTiered(PrefillPolicy):
         # while this thread attends over the device (before it decodes the next layer's sketch).
         ahead = None if whole else self._pool_logits_ahead(layer, q_win, scaling)
         self._prefetch_sketch(layer + 1)
+        self._prefetch_read(layer + 1)
         window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w, backend=kernels)
         self._previous_chosen(layer)
         read = partial(self._read_candidates, layer, q_win, window, scaling, total, whole, ahead)
@@ -237,15 +242,13 @@ class ReselectTiered(PrefillPolicy):
             parts.append(attend_part(q, keys, values, scaling, w, visible=visible, backend=kernels))
         out, lse = merge(parts, q.dtype)
         choose = partial(self._choose, parts, lse, store.positions, store.length, cand, total, w)
-        if policy.prefill_attention == "selected" or whole:
+        if policy.prefill_attention != "selected" and whole and self._settles_beside(layer):
             # A layer read whole holds every cold page one layer at a time, so it applies its choice at once:
-            # on the page reader while this thread goes on, where that pays (``_settles_beside``).
-            pending = choose()
-            if policy.prefill_attention != "selected" and self._settles_beside(layer):
-                self._pending[layer] = Settling(transfers.start(partial(self._apply, layer, pending)), pending,
-                                                transfers)
-            else:
-                self._apply(layer, pending)
+            # chosen and applied on the page reader while this thread goes on, where that pays.
+            self._pending[layer] = Settling(transfers.start(partial(self._choose_and_apply, layer, choose)), cand,
+                                            transfers)
+        elif policy.prefill_attention == "selected" or whole:
+            self._apply(layer, choose())
         elif transfers is not None and transfers.pays(True):
             # The first token needs only this attention: Stage 1's choice over it runs on the page reader
             # while this thread goes on with the next layer, which waits for it before reading its own
@@ -302,6 +305,9 @@ class ReselectTiered(PrefillPolicy):
 
     def _apply(self, layer: int, p: Pending) -> None:
         self._reorganise(layer, p.slots, p.positions, p.scores, p.cand)
+
+    def _choose_and_apply(self, layer: int, choose) -> None:
+        self._apply(layer, choose())
 
     def _settles_beside(self, layer: int) -> bool:
         """Whether a layer read whole applies its choice on the page reader, beside the next layer's
@@ -374,6 +380,9 @@ class ReselectTiered(PrefillPolicy):
         cache, policy = self.cache, self.tiers.policy
         cold, dev, split = self.cold[layer], cache.spec.device, cache.split
         if whole:
+            started, self._reads[layer] = self._reads[layer], None
+            if started is not None:
+                return self.tiers.transfers.wait(started), None
             return cold.fetch(cold.live_pages(), dev, cache.traffic), None
         per_head = pages_per_head(policy.candidates, split.prompt_budget, policy.page_tokens)
         pool, sketch = self._take_sketch(layer) if cold.sketch_bits else (None, None)
@@ -455,18 +464,35 @@ class ReselectTiered(PrefillPolicy):
             return None, None
         return pool, self._sketch(layer, pool)
 
+    def _prefetch_read(self, layer: int) -> None:
+        """Start reading the next layer's cold pages on the page reader's thread, beside this layer's
+        attention, where that layer is read whole: in a prefill step of many sessions' short turns
+        the read was a fifth of this thread's tiered work, and the page reader had time for it."""
+        transfers = self.tiers.transfers
+        if (transfers is None or layer >= len(self.cold) or not self.cold[layer].has_pages()
+                or not self._reads_whole(layer)):
+            return
+        cold, cache = self.cold[layer], self.cache
+        self._reads[layer] = transfers.start(lambda: cold.fetch(cold.live_pages(), cache.spec.device, cache.traffic))
+
     def _drop_sketches(self) -> None:
-        """Let every decode still in flight finish (a turn that stopped between layers), then forget
-        them: the next turn's pools differ."""
+        """Let every decode and read still in flight finish (a turn that stopped between layers), then
+        forget them: the next turn's pools and cold sets differ."""
         for started in self._sketches:
             if started is not None and started[1].exception() is None:  # a failed decode has nothing to hand over
                 self.tiers.transfers.wait(started[1])
+        for started in self._reads:
+            if started is not None and started.exception() is None:
+                self.tiers.transfers.wait(started)
         self._sketches = [None] * len(self._sketches)
+        self._reads = [None] * len(self._reads)
 
     # --- memory ------------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """The pages read back and held until their layer settles."""
-        return sum(p.nbytes() for p in self._pending if p is not None)
+        """The pages read back and held until their layer settles, and a next layer's read once done."""
+        held = sum(p.nbytes() for p in self._pending if p is not None)
+        return held + sum(read_bytes(r.result()) for r in self._reads
+                          if r is not None and r.done() and r.exception() is None)
 
     @staticmethod
     def bound(turn: TurnSize, tiers: TierPolicy) -> int:
@@ -478,8 +504,9 @@ class ReselectTiered(PrefillPolicy):
         if tiers.reselect == "exhaustive" and turn.cold_pages is None:
             return kv + turn.layer_bytes * 2 * (turn.fed + turn.new)
         if turn.cold_pages is not None and reads_whole(tiers, turn.cold_pages, turn.split.prompt_budget):
-            # One layer's device keys and the pages it read, joined, and that layer's selection of them.
-            return kv + turn.layer_bytes * 2 * (turn.kept + turn.cold_pages * tiers.page_tokens + turn.new)
+            # One layer's device keys and the pages it read, joined, and that layer's selection of them;
+            # and the next layer's pages, read meanwhile (``_prefetch_read``).
+            return kv + turn.layer_bytes * 2 * (turn.kept + 2 * turn.cold_pages * tiers.page_tokens + turn.new)
         pages = pages_per_head(tiers.candidates, turn.split.prompt_budget, tiers.page_tokens)
         # A sketch's scratch: the pool's estimated keys (float32 at most), the logits of up to 2d window
         # rows at a time over them (``page_picks``; bfloat16 where the keys are) and the next layer's
