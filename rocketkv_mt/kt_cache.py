@@ -69,13 +69,15 @@ class KTCache:
         self.length = keys.shape[1]
         self.head_dim = keys.shape[2]
         # ``reuse``: a cache no longer read (the layer's previous decode set), whose buffer is written
-        # over where it holds these pages and the spare ones: a fresh buffer every layer and turn was
-        # faulted in page by page (~0.6 MB a layer of 700 kept tokens; on the load bench a third of
-        # the page faults of a round). One that does not fit is replaced by one with twice the spare
-        # pages, which the next turn's, about as long (Stage 1 keeps the prompt budget), then fits.
+        # over where it holds these pages and half the spare ones: a fresh buffer every layer and turn
+        # was faulted in page by page (~0.6 MB a layer of 700 kept tokens; on the load bench a third
+        # of the page faults of a round). Stage 1 keeps about as many tokens every turn, so the last
+        # turn's buffer mostly fits; a reply past its spare pages grows it (``_grow``).
         old = reuse._bounds if reuse is not None else None
-        if not fits(old, keys, -(-self.length // page_size) + spare_pages):
-            old, spare_pages = None, (2 * spare_pages if reuse is not None else spare_pages)
+        if fits(old, keys, -(-self.length // page_size) + spare_pages // 2):
+            spare_pages = old.shape[2] - -(-self.length // page_size)
+        else:
+            old = None
         self._bounds = bounds_buffer(keys, page_size, spare_pages, backend, old)
         self.pages = -(-self.length // page_size)
 

@@ -45,18 +45,20 @@ def test_native_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_a_new_decode_set_writes_over_the_old_buffer_where_it_fits(backend):
     g = torch.Generator().manual_seed(11)
-    first = KTCache(torch.randn(3, 300, 64, generator=g), 2, spare_pages=8, backend=backend)
-    keys = torch.randn(3, 301, 64, generator=g)
-    # 151 pages and 8 spare do not fit 150 + 8: a new buffer, with twice the spare pages.
+    first = KTCache(torch.randn(3, 300, 64, generator=g), 2, spare_pages=8, backend=backend)  # 150 + 8 pages
+    keys = torch.randn(3, 311, 64, generator=g)
+    # 156 pages and half the 8 spare ones do not fit 158: a new buffer.
     second = KTCache(keys, 2, spare_pages=8, backend=backend, reuse=first)
-    assert second.buffer.data_ptr() != first.buffer.data_ptr() and second.buffer.shape[2] == 151 + 16
-    fresh = KTCache(keys, 2, spare_pages=8, backend=backend)
+    assert second.buffer.data_ptr() != first.buffer.data_ptr() and second.buffer.shape[2] == 156 + 8
     for _ in range(5):
         second.append(keys[:, -1])  # the old cache's spare pages hold something now
-    shorter = torch.randn(3, 280, 64, generator=g)
-    third = KTCache(shorter, 2, spare_pages=8, backend=backend, reuse=second)
-    assert third.buffer.data_ptr() == second.buffer.data_ptr()  # written over in place
-    reference = KTCache(shorter, 2, spare_pages=8, backend="torch")
-    assert torch.equal(third.bounds, reference.bounds)
-    assert not third.buffer[:, :, third.pages:].any()  # every page past them zero again
-    assert torch.equal(fresh.bounds, KTCache(keys, 2, backend="torch").bounds)
+    for length in (318, 280):  # 159 + 4 pages fit 164, and fewer
+        shorter = torch.randn(3, length, 64, generator=g)
+        third = KTCache(shorter, 2, spare_pages=8, backend=backend, reuse=second)
+        assert third.buffer.data_ptr() == second.buffer.data_ptr()  # written over in place
+        assert torch.equal(third.bounds, KTCache(shorter, 2, backend="torch").bounds)
+        assert not third.buffer[:, :, third.pages:].any()  # every page past them zero again
+        for _ in range(2 * (third.buffer.shape[2] - third.pages) + 1):
+            third.append(shorter[:, 0])  # past its spare pages: it grows, as a fresh one does
+        assert third.buffer.data_ptr() != second.buffer.data_ptr()
+        second = KTCache(shorter, 2, spare_pages=8, backend=backend)
