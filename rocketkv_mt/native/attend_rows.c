@@ -322,27 +322,30 @@ int rkv_row_values(const float *p, int64_t hkv, int64_t m, int64_t t, const floa
 }
 
 /* A whole attention part of a tiered turn in one call (rocketkv_mt.split_attention.attend_part on the
- * CPU): the logits (rkv_row_logits' tiles), the hidden slots, the softmax numerators (softmax_rows.c's
- * pass), the values (rkv_row_values' tiles), the normalised output, the log-sum-exp and the window
- * rows' numerators. In torch around the two products that was about a hundred small ops a part, two
- * parts a layer for every session of a prefill step: their dispatch, not their arithmetic, was the
- * cost, and it held the interpreter lock that the page reader's thread needs meanwhile.
+ * CPU): the logits (rkv_row_logits' tiles), the hidden slots, the softmax numerators (softmax_rows.c),
+ * the values (rkv_row_values' tiles), the normalised output, the log-sum-exp and the window rows'
+ * numerators. In torch around the two products that was about a hundred small ops a part, two parts
+ * a layer for every session of a prefill step: their dispatch, not their arithmetic, was the cost,
+ * and it held the interpreter lock that the page reader's thread needs meanwhile.
  *   q        (Hkv, M, d) with M = G * R: query head j of KV head h's R rows at row j * R; a row i sits at
  *            turn row row0 + i
  *   keys     head h's key k at keys + h * head_stride + k * d; values likewise; T keys, the last
  *            own_tail of them the turn's own tokens: turn row x sees own key u only for u <= x
  *   visible  (Hkv, T) bytes, 0 where a slot holds no token; NULL: every slot holds one
- *   scratch  M * (T + 1) floats: one head's logits at a time, and its rows' sums
+ *   scratch  M * (T + 2) floats: one head's logits at a time, and its rows' maxima and sums
  *   out      (Hkv, M, d) normalised over the part's keys (0 for a row that sees none)
  *   lse      (Hkv, M) log-sum-exp of the row's logits (-inf for a row that sees none)
  *   wprobs   (Hkv, G, W, T) exp(logit - top) of each head's last W rows (0 where hidden); wtop (Hkv, G, W)
  * Returns 0, or -1 for a head dim it does not take. */
+void rkv_softmax_rows(float *x, int64_t rows, int64_t n, float *top, float *sum);
+
 int rkv_attend_part(const float *q, int64_t hkv, int64_t g, int64_t r, int64_t d, const float *keys,
                     const float *values, int64_t head_stride, int64_t t, float scaling, int64_t row0,
                     int64_t own_tail, const uint8_t *visible, int64_t w, float *scratch, float *out, float *lse,
                     float *wprobs, float *wtop) {
     if (d != 64 && d != 128) return -1;
     const int64_t m = g * r, tail_from = t - own_tail;
+    float *tops = scratch + m * t, *sums = tops + m;
     const union { uint32_t u; float f; } minus_inf = {0xff800000u};  /* fast math may fold the INFINITY macro */
     for (int64_t h = 0; h < hkv; h++) {
         const float *qh = q + h * m * d, *kh = keys + h * head_stride, *vh = values + h * head_stride;
@@ -353,37 +356,29 @@ int rkv_attend_part(const float *q, int64_t hkv, int64_t g, int64_t r, int64_t d
         else
             head_logits(qh, kh, scratch, m, 128, t, scaling);
         for (int64_t row = 0; row < m; row++) {
-            float *s = scratch + row * t;
             /* hidden: a slot without a token, and the turn's own keys past this row's position */
+            float *s = scratch + row * t;
             if (vis)
                 for (int64_t k = 0; k < tail_from; k++) s[k] = vis[k] ? s[k] : -FLT_MAX;
             const int64_t sees = own_tail ? tail_from + row0 + row % r + 1 : t;
             for (int64_t k = tail_from; k < t; k++) s[k] = (k < sees && (!vis || vis[k])) ? s[k] : -FLT_MAX;
-            float top = -FLT_MAX;
-            for (int64_t k = 0; k < t; k++) top = s[k] > top ? s[k] : top;
-            if (top < HIDDEN) top = 0.f;
-            float sum = 0.f;
-            for (int64_t k = 0; k < t; k++) {
-                const float v = s[k];
-                const float e = v < HIDDEN ? 0.f : expf(fmaxf(v - top, FLOOR));
-                s[k] = e;
-                sum += e;
-            }
-            lh[row] = sum > 0.f ? top + logf(sum) : minus_inf.f;
+        }
+        rkv_softmax_rows(scratch, m, t, tops, sums);
+        for (int64_t row = 0; row < m; row++) {
+            lh[row] = sums[row] > 0.f ? tops[row] + logf(sums[row]) : minus_inf.f;
             const int64_t i = row % r, j = row / r;
             if (i >= r - w) {
                 const int64_t at = (h * g + j) * w + (i - (r - w));
-                memcpy(wprobs + at * t, s, (size_t)t * sizeof(float));
-                wtop[at] = top;
+                memcpy(wprobs + at * t, scratch + row * t, (size_t)t * sizeof(float));
+                wtop[at] = tops[row];
             }
-            scratch[(m * t) + row] = sum; /* kept past the logits for the normalisation below */
         }
         if (d == 64)
             head_values(scratch, vh, oh, m, 64, t);
         else
             head_values(scratch, vh, oh, m, 128, t);
         for (int64_t row = 0; row < m; row++) {
-            const float sum = scratch[m * t + row], norm = sum > 1e-30f ? sum : 1e-30f;
+            const float norm = sums[row] > 1e-30f ? sums[row] : 1e-30f;
             float *o = oh + row * d;
             for (int64_t c = 0; c < d; c++) o[c] = o[c] / norm;
         }

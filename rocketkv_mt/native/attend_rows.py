@@ -98,7 +98,7 @@ def part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: flo
     lse = torch.empty(hq, n, dtype=torch.float32)
     wprobs = torch.empty(hkv, g, w, t, dtype=torch.float32)
     wtop = torch.empty(hkv, g, w, 1, dtype=torch.float32)
-    scratch = torch.empty(g * n * (t + 1), dtype=torch.float32)
+    scratch = torch.empty(g * n * (t + 2), dtype=torch.float32)
     vis = 0
     if visible is not None:
         visible = visible.to(torch.bool).contiguous()

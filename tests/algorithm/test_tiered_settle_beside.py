@@ -20,21 +20,31 @@ POLICY = TierPolicy(page_tokens=8, read_whole=1000)
 ROCKET = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
 
 
-def test_a_layer_read_whole_is_applied_on_the_page_reader_as_it_is_inline(monkeypatch):
-    demotes = []
-    demote = ColdLayer.demote
+def threads_of(monkeypatch, method: str) -> list[tuple[int, str]]:
+    """(layer, thread name) of every call of ``ColdLayer.<method>`` from now on."""
+    calls = []
+    original = getattr(ColdLayer, method)
 
     def recorded(self, *args, **kwargs):
-        demotes.append((self.layer, threading.current_thread().name))
-        return demote(self, *args, **kwargs)
+        calls.append((self.layer, threading.current_thread().name))
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(ColdLayer, "demote", recorded)
+    monkeypatch.setattr(ColdLayer, method, recorded)
+    return calls
+
+
+def tiered_cache(name: str, reader: Transfers | None):
+    """A tiered cache of ``POLICY`` on a host tier of its own, its reads on ``reader`` (None: inline)."""
+    return make_cache("tiered", SPEC, ROCKET, tiers=TierContext(HostTier(64 << 20, None), name, POLICY, transfers=reader))
+
+
+def test_a_layer_read_whole_is_applied_on_the_page_reader_as_it_is_inline(monkeypatch):
+    demotes = threads_of(monkeypatch, "demote")
     transfers = Transfers(torch.device("cpu"))
     try:
         runs = []
         for reader in (None, transfers):
-            tiers = TierContext(HostTier(64 << 20, None), f"settle-{reader is not None}", POLICY, transfers=reader)
-            cache = make_cache("tiered", SPEC, ROCKET, tiers=tiers)
+            cache = tiered_cache(f"settle-{reader is not None}", reader)
             demotes.clear()
             runs.append((three_turns(cache, seed=5), list(demotes), cache.tier_bytes()))
             assert cache.cold_tokens() > 0
@@ -67,8 +77,7 @@ def test_a_step_that_fails_after_a_layer_went_to_the_reader_leaves_nothing_runni
         return reorganise(self, layer, *args)
 
     try:
-        tiers = TierContext(HostTier(64 << 20, None), "settle-fails", POLICY, transfers=transfers)
-        cache = make_cache("tiered", SPEC, ROCKET, tiers=tiers)
+        cache = tiered_cache("settle-fails", transfers)
         gen = torch.Generator().manual_seed(7)
         forward(cache, layer_inputs(gen, 200), prefill=True)
         cache.end_turn()
@@ -90,21 +99,12 @@ def test_a_step_that_fails_after_a_layer_went_to_the_reader_leaves_nothing_runni
 
 
 def test_the_next_layer_read_whole_is_read_on_the_page_reader(monkeypatch):
-    fetches = []
-    fetch = ColdLayer.fetch
-
-    def recorded(self, *args, **kwargs):
-        fetches.append((self.layer, threading.current_thread().name))
-        return fetch(self, *args, **kwargs)
-
-    monkeypatch.setattr(ColdLayer, "fetch", recorded)
+    fetches = threads_of(monkeypatch, "fetch")
     transfers = Transfers(torch.device("cpu"))
     try:
         outs = []
         for reader in (None, transfers):
-            tiers = TierContext(HostTier(64 << 20, None), f"read-beside-{reader is not None}", POLICY,
-                                transfers=reader)
-            cache = make_cache("tiered", SPEC, ROCKET, tiers=tiers)
+            cache = tiered_cache(f"read-beside-{reader is not None}", reader)
             gen = torch.Generator().manual_seed(9)
             forward(cache, layer_inputs(gen, 200), prefill=True)
             cache.end_turn()
