@@ -27,12 +27,9 @@ def bounds_buffer(keys: torch.Tensor, page_size: int, spare_pages: int, backend:
     """keys (Hkv, L, d) -> (Hkv, 2d, P + spare_pages): per page the max of its keys over their min,
     the page axis last; spare pages zero. On the native C kernel (float32 CPU keys, rows contiguous)
     where ``backend`` allows it ("auto", "native") and it builds here, else in torch: the same values.
-    ``out``: a buffer to write them into instead (every page past P zeroed), where it fits
-    (``fits``); else a new one."""
+    ``out``: a buffer that ``fits`` them, written over instead (every page past P zeroed)."""
     hkv, length, d = keys.shape
     pages = -(-length // page_size)
-    if not fits(out, keys, pages + spare_pages):
-        out = None
     if backend in ("auto", "native"):
         if native_kt.supports(keys):
             return native_kt.bounds_buffer(keys, page_size, spare_pages, out)
@@ -73,13 +70,13 @@ class KTCache:
         # was faulted in page by page (~0.6 MB a layer of 700 kept tokens; on the load bench a third
         # of the page faults of a round). Stage 1 keeps about as many tokens every turn, so the last
         # turn's buffer mostly fits; a reply past its spare pages grows it (``_grow``).
+        self.pages = -(-self.length // page_size)
         old = reuse._bounds if reuse is not None else None
-        if fits(old, keys, -(-self.length // page_size) + spare_pages // 2):
-            spare_pages = old.shape[2] - -(-self.length // page_size)
+        if fits(old, keys, self.pages + spare_pages // 2):
+            spare_pages = old.shape[2] - self.pages
         else:
             old = None
         self._bounds = bounds_buffer(keys, page_size, spare_pages, backend, old)
-        self.pages = -(-self.length // page_size)
 
     @property
     def bounds(self) -> torch.Tensor:

@@ -182,7 +182,7 @@ class ReselectTiered(PrefillPolicy):
     # --- turns -------------------------------------------------------------------------------
     def begin_turn(self) -> None:
         self._whole = [None] * len(self._whole)
-        self._drop_sketches()
+        self._drop_prefetched()
         self.settle()
 
     def chunkable(self) -> bool:
@@ -195,7 +195,7 @@ class ReselectTiered(PrefillPolicy):
             self._settle(layer)
 
     def end_turn(self) -> None:
-        self._drop_sketches()
+        self._drop_prefetched()
         self.settle()
 
     def decode_set(self, layer: int) -> LayerKV | None:
@@ -381,9 +381,7 @@ class ReselectTiered(PrefillPolicy):
         cold, dev, split = self.cold[layer], cache.spec.device, cache.split
         if whole:
             started, self._reads[layer] = self._reads[layer], None
-            if started is not None:
-                return self.tiers.transfers.wait(started), None
-            return cold.fetch(cold.live_pages(), dev, cache.traffic), None
+            return (self.tiers.transfers.wait(started) if started is not None else self._read_whole(layer)), None
         per_head = pages_per_head(policy.candidates, split.prompt_budget, policy.page_tokens)
         pool, sketch = self._take_sketch(layer) if cold.sketch_bits else (None, None)
         lse_dev = window.lse.reshape(cache.spec.num_kv_heads, -1)
@@ -472,10 +470,14 @@ class ReselectTiered(PrefillPolicy):
         if (transfers is None or layer >= len(self.cold) or not self.cold[layer].has_pages()
                 or not self._reads_whole(layer)):
             return
-        cold, cache = self.cold[layer], self.cache
-        self._reads[layer] = transfers.start(lambda: cold.fetch(cold.live_pages(), cache.spec.device, cache.traffic))
+        self._reads[layer] = transfers.start(partial(self._read_whole, layer))
 
-    def _drop_sketches(self) -> None:
+    def _read_whole(self, layer: int) -> tuple:
+        """Every page of the layer that holds a cold token, read back (``ColdLayer.fetch``)."""
+        cold = self.cold[layer]
+        return cold.fetch(cold.live_pages(), self.cache.spec.device, self.cache.traffic)
+
+    def _drop_prefetched(self) -> None:
         """Let every decode and read still in flight finish (a turn that stopped between layers), then
         forget them: the next turn's pools and cold sets differ."""
         for started in self._sketches:
@@ -541,7 +543,7 @@ class ReselectTiered(PrefillPolicy):
 
     def release(self) -> None:
         self._whole = [None] * len(self._whole)
-        self._drop_sketches()
+        self._drop_prefetched()
         for pending in self._pending:  # what a step that failed left on the page reader ends first
             if pending is not None:
                 pending.end()
