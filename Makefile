@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-done
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lint test serve model model-qwen gpu-check clean
+.PHONY: setup lint test serve model model-qwen gpu-check gpu-bundle clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ serve: setup
 # pinned copy bandwidth, a tiered conversation with Redis; results in results/gpu/, a summary printed.
 gpu-check: setup
 	env -u TRITON_INTERPRET $(PY) -m bench.gpu_check --out results/gpu
+
+# A lent GPU machine reaches no registry: the wheels and the Redis server the check needs there, in .gpu/
+# (README: GPU check); fails when the tree and the bundle together pass 60 MiB.
+gpu-bundle: setup
+	$(PY) -m bench.gpu_bundle --out .gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -191,9 +191,18 @@ class Bench:
             self.second_turn(state)
             state["cache"].release()
 
-    def run(self) -> dict:
+    def run(self, on_context=None) -> dict:
+        """Every context in turn; ``on_context(partial result)`` after each one (the GPU check writes
+        it out, so a run stopped at its time limit keeps the contexts it finished)."""
         self.warm_up()
-        results = [self.context(c) for c in self.contexts]
+        results = []
+        for context in self.contexts:
+            results.append(self.context(context))
+            if on_context is not None:
+                on_context(self.report(results))
+        return self.report(results)
+
+    def report(self, results: list[dict]) -> dict:
         speedup = {}
         for res in results:
             for batch, rows in res["decode"].items():

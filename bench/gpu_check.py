@@ -1,25 +1,35 @@
-"""``make gpu-check``: one prepared run of everything that needs a GPU, under 8 minutes on one H200.
+"""The GPU check: one prepared run of everything that needs a GPU, under 8 minutes on one H200.
 
     python -m bench.gpu_check [--out results/gpu] [--contexts 32k,128k] [--batches 1,8] [--redis-url URL]
+                              [--budget-s 420] [--quick] [--estimate]
 
-Parts, each written to ``OUT/<part>.json`` as soon as it ends (a later part failing or running out
-of time loses nothing before it), then ``OUT/summary.json`` and a printed summary:
+On a lent machine it runs as ``bash bench/gpu_run.sh`` with the bundle of ``make gpu-bundle``
+carried (README: GPU check): the image's Python and torch, a few wheels, no network. So it and what
+it imports need no ray, fastapi, uvicorn, websockets or gguf, and every model it loads is built here
+with random weights (tests/engine/test_gpu_rehearsal.py holds it to that).
 
-1. ``kernel_tests``: the Triton kernel tests compiled for CUDA (``TRITON_INTERPRET=0``, not the
+Parts, most important first, each written to ``OUT/<part>.json`` as soon as it ends (a later part
+failing or running out of time loses nothing before it; e2e is rewritten after each context), then
+``OUT/summary.json`` and a printed summary:
+
+1. ``e2e``: ``bench e2e`` at the given contexts and batches, full against rocketkv and tiered, on a
+   random-weight Llama-3.1-8B in bf16;
+2. ``kernel_tests``: the Triton kernel tests compiled for CUDA (``TRITON_INTERPRET=0``, not the
    interpreter), in a subprocess: tests/algorithm/test_kernels.py, test_prefill_attention.py,
    test_decode_batch.py (``-m kernel``);
-2. ``h2d``: host-to-device copy bandwidth from pinned memory (the host tier's pool) and, for
+3. ``tiered_redis``: a 3-turn conversation of a tiered session on a random-weight model of the
+   bundled SmolLM2-135M's shapes (the byte tokenizer of ``bench.byte_tokenizer``) on this device,
+   persisted to Redis after every turn (a private ``redis-server`` or ``valkey-server`` on a free
+   port when none answers at ``--redis-url``; skipped, with the reason, when neither is possible);
+4. ``h2d``: host-to-device copy bandwidth from pinned memory (the host tier's pool) and, for
    comparison, from pageable memory;
-3. ``ops``: ``bench ops`` on this device: torch ops and kernel launches per decode step per layer at
-   1, 4 and 16 sessions, batched and per session;
-4. ``e2e``: ``bench e2e`` at the given contexts and batches, full against rocketkv and tiered, on a
-   random-weight Llama-3.1-8B in bf16;
-5. ``tiered_redis``: a 3-turn conversation of a tiered session on the bundled model on this device,
-   persisted to Redis after every turn (a private ``redis-server`` on a free port when none answers
-   at ``--redis-url``; skipped when neither is possible).
+5. ``ops``: ``bench ops`` on this device: torch ops and kernel launches per decode step per layer at
+   1, 4 and 16 sessions, batched and per session.
 
-Without CUDA the CUDA-only parts are recorded as skipped; ``--quick`` shrinks the rest to tiny
-shapes (the CPU test of this script runs that way).
+A part is not started once its estimate (``bench.gpu_estimate``) no longer fits in ``--budget-s``:
+it is recorded as skipped, and the run ends inside the lease with its summary written. Without CUDA
+the CUDA-only parts are recorded as skipped; ``--quick`` shrinks the rest to tiny shapes (the CPU
+tests of this script run that way).
 """
 from __future__ import annotations
 
@@ -43,16 +53,20 @@ import torch
 from app.engine.engine import Engine
 from app.engine.sampling import SamplingParams
 from app.settings import Settings
-from bench import decode_ops
+from bench import decode_ops, gpu_estimate
 from bench import e2e as bench_e2e
 from bench.common import fit_words, write_json
 from bench.haystack import filler_text
-from bench.random_model import parse_shapes
+from bench.random_model import SMOLLM2_135M, parse_shapes, random_chat_model
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/algorithm/test_kernels.py", "tests/algorithm/test_prefill_attention.py",
                 "tests/algorithm/test_decode_batch.py"]
 GIB = 1024**3
+
+
+class _NoTime(Exception):
+    """A part not started: its estimate no longer fits in the check's time budget."""
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -63,18 +77,27 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=os.environ.get("RKV_REDIS_URL") or "redis://127.0.0.1:6379/15",
                    help="Redis of the tiered conversation (a private redis-server is started if it does not answer)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and short contexts (what a CPU can run)")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no part whose estimate no longer fits in this many seconds from the start")
+    p.add_argument("--estimate", action="store_true", help="print the estimated wall time of each part and exit")
+    p.add_argument("--chip", choices=sorted(gpu_estimate.CHIPS), default=None,
+                   help="estimate for this chip (default: the one here)")
     return p.parse_args(argv)
 
 
 def kernel_tests(args) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA: the kernel tests run interpreted in `make test` instead"}
-    report = Path(args.out) / "kernel_tests.xml"
     env = {**os.environ, "TRITON_INTERPRET": "0", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "kernel", f"--junitxml={report}",
-           *KERNEL_TESTS]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    suite = ET.parse(report).getroot()
+    with tempfile.TemporaryDirectory() as folder:  # the JSON keeps what the report says: OUT holds few files
+        report = Path(folder) / "kernel_tests.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "kernel",
+               f"--junitxml={report}", *KERNEL_TESTS]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        if not report.exists():
+            return {"error": "pytest wrote no report", "returncode": proc.returncode,
+                    "tail": (proc.stdout + proc.stderr)[-2000:]}
+        suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
@@ -116,18 +139,38 @@ def ops(args) -> dict:
                           [1, 4] if quick else [1, 4, 16], prompt=96, budget=32)
 
 
-def e2e(args) -> dict:
-    quick = args.quick or not torch.cuda.is_available()
-    ns = argparse.Namespace(
+def _e2e_args(args, on_gpu: bool | None = None) -> argparse.Namespace:
+    """bench e2e's arguments: the given contexts on Llama-3.1-8B shapes on a GPU, tiny ones otherwise."""
+    quick = args.quick or not (torch.cuda.is_available() if on_gpu is None else on_gpu)
+    return argparse.Namespace(
         contexts="256" if quick else args.contexts, batches="1,2" if quick else args.batches,
         modes="full,rocketkv,tiered", shapes="tiny,num_hidden_layers=3" if quick else "llama-3.1-8b",
         device=None, budget=32 if quick else 256, max_new=32 if quick else 128, steps=2 if quick else 10,
         rounds=2, warmup=1 if quick else 2, second_turn=8 if quick else 32, json_out=None,
     )
-    result = bench_e2e.Bench(ns).run()
+
+
+def e2e(args) -> dict:
+    partial = str(Path(args.out) / "e2e.json")
+    result = bench_e2e.Bench(_e2e_args(args)).run(on_context=lambda so_far: write_json(so_far, partial, quiet=True))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def estimates(args) -> dict:
+    """Seconds each part should take (``bench.gpu_estimate``) on ``--chip``, else on this device; all
+    0 for a quick run or without CUDA. With ``--estimate``, e2e's pieces are given too."""
+    chip = args.chip or ("h100" if torch.cuda.is_available() and "h100" in torch.cuda.get_device_name().lower()
+                         else "h200" if torch.cuda.is_available() else None)
+    if args.quick or chip is None:
+        return {name: 0.0 for name in PARTS}
+    ns = _e2e_args(args, on_gpu=True)
+    e2e_parts = gpu_estimate.e2e_s(parse_shapes(ns.shapes), bench_e2e.parse_tokens(ns.contexts),
+                                   [int(b) for b in ns.batches.split(",")], ns.modes.split(","), ns.budget, ns.steps,
+                                   ns.rounds, ns.warmup, gpu_estimate.CHIPS[chip])
+    pieces = {f"  e2e {k}": v for k, v in e2e_parts.items() if k != "total"} if args.estimate else {}
+    return {**gpu_estimate.check_s(e2e_parts), **pieces}
 
 
 def _free_port() -> int:
@@ -145,11 +188,12 @@ def _answers(url: str) -> bool:
 
 @contextlib.contextmanager
 def _redis(url: str):
-    """``url`` when a Redis answers there, else a private redis-server for the duration; None if neither."""
+    """``url`` when a Redis answers there, else a private server for the duration (``redis-server``,
+    or the ``valkey-server`` that ``make gpu-bundle`` carries to a lent machine); None if neither."""
     if _answers(url):
         yield url
         return
-    binary = shutil.which("redis-server")
+    binary = os.environ.get("RKV_REDIS_SERVER") or shutil.which("redis-server") or shutil.which("valkey-server")
     if binary is None:
         yield None
         return
@@ -190,24 +234,29 @@ async def _converse(engine: Engine, session_id: str, messages: list[str], max_to
 def tiered_redis(args) -> dict:
     with _redis(args.redis_url) as url:
         if url is None:
-            return {"skipped": f"no Redis at {args.redis_url} and no redis-server to start"}
+            return {"skipped": f"no Redis at {args.redis_url} and no redis-server or valkey-server to start"}
         settings = Settings(redis_url=url, redis_namespace=f"gpucheck{os.getpid()}", mode="tiered")
-        engine = Engine(settings)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        shapes = {**SMOLLM2_135M, "num_hidden_layers": 4} if args.quick else SMOLLM2_135M
+        loaded = random_chat_model(shapes, device, torch.bfloat16 if device == "cuda" else torch.float32, 16384)
+        engine = Engine(settings, loaded=loaded)
         try:
-            words = 400 if args.quick else 1500
-            first = fit_words(engine.tokenizer, filler_text(words, seed=3), words) + "\n\nWhat is this text about?"
+            tokens = 400 if args.quick else 6000  # one byte a token: filler of that many words is long enough
+            first = fit_words(engine.tokenizer, filler_text(tokens, seed=3), tokens) + "\n\nWhat is this text about?"
             messages = [first, "Name one thing the text says about the sky.", "Say that again in other words."]
             session = engine.create_session(mode="tiered", budget=64)
             turns = asyncio.run(_converse(engine, session.id, messages, 8 if args.quick else 24))
             stored = engine.redis.session_bytes(session.id)
             engine.delete_session(session.id)
             return {"device": str(engine.runner.device), "redis": "shared" if url == args.redis_url else "private",
-                    "turns": turns, "redis_session_bytes_after_turn_3": stored}
+                    "model": f"random weights, shapes {shapes}, byte tokenizer", "turns": turns,
+                    "redis_session_bytes_after_turn_3": stored}
         finally:
             engine.close()
 
 
-PARTS = {"kernel_tests": kernel_tests, "h2d": h2d, "ops": ops, "e2e": e2e, "tiered_redis": tiered_redis}
+# Most important first: a run cut short keeps the headline figures.
+PARTS = {"e2e": e2e, "kernel_tests": kernel_tests, "tiered_redis": tiered_redis, "h2d": h2d, "ops": ops}
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -243,17 +292,27 @@ def _headline(name: str, result: dict) -> str:
 
 def main(argv=None) -> int:
     args = _args(argv)
+    planned = estimates(args)
+    if args.estimate:
+        print("\n".join(f"{name:22s} {seconds:7.1f} s" for name, seconds in planned.items()))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     summary = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "torch": torch.__version__, "parts": {}}
+               "torch": torch.__version__, "budget_s": args.budget_s, "estimates_s": planned, "parts": {}}
     for name, part in PARTS.items():
         start = time.perf_counter()
+        left = args.budget_s - (start - t0)
         try:
+            if planned[name] > left:
+                raise _NoTime(f"no time left: {planned[name]:.0f} s estimated, {max(left, 0):.0f} s of the budget left")
             result = part(args)
             write_json(result, str(out / f"{name}.json"), quiet=True)
-            entry = {"skipped": result["skipped"]} if "skipped" in result else {"headline": _headline(name, result)}
+            entry = ({"skipped": result["skipped"]} if "skipped" in result else
+                     {"error": result["error"]} if "error" in result else {"headline": _headline(name, result)})
+        except _NoTime as exc:
+            entry = {"skipped": str(exc)}
         except Exception as exc:  # noqa: BLE001 - one part failing must not lose the others
             entry = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         entry["wall_s"] = time.perf_counter() - start

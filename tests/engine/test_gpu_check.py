@@ -30,3 +30,33 @@ def test_gpu_check_runs_its_cpu_parts_and_skips_the_cuda_ones(tmp_path, redis_ur
     assert turns[1]["prefilled_tokens"] < turns[0]["prefilled_tokens"]  # the cache was kept between turns
     out = capsys.readouterr().out
     assert "gpu-check summary" in out and "tiered_redis" in out
+
+
+def test_a_part_whose_estimate_no_longer_fits_is_skipped_not_started(tmp_path, monkeypatch, capsys):
+    started = []
+    monkeypatch.setattr(gpu_check, "PARTS", {"e2e": lambda a: started.append("e2e") or {"skipped": "stand-in"},
+                                             "kernel_tests": lambda a: started.append("k") or {"skipped": "stand-in"},
+                                             "tiered_redis": lambda a: started.append("t") or {"skipped": "x"},
+                                             "h2d": lambda a: started.append("h") or {"skipped": "x"},
+                                             "ops": lambda a: started.append("o") or {"skipped": "x"}})
+    monkeypatch.setattr(gpu_check, "estimates", lambda args: {"e2e": 1.0, "kernel_tests": 500.0, "tiered_redis": 1.0,
+                                                              "h2d": 1.0, "ops": 1.0})
+    assert gpu_check.main(["--out", str(tmp_path), "--budget-s", "100"]) == 0
+    assert started == ["e2e", "t", "h", "o"]
+    parts = json.loads((tmp_path / "summary.json").read_text())["parts"]
+    assert parts["kernel_tests"]["skipped"].startswith("no time left: 500 s estimated")
+
+
+def test_the_estimate_of_the_e2e_part_fits_its_budget_on_the_lent_chips():
+    from bench import gpu_estimate
+    from bench.random_model import LLAMA_31_8B
+
+    for chip in ("h200", "h100"):
+        e2e = gpu_estimate.e2e_s(LLAMA_31_8B, [32768, 131072], [1, 8], ["full", "rocketkv", "tiered"], 256, 10, 2, 2,
+                                 gpu_estimate.CHIPS[chip])
+        assert gpu_estimate.check_s(e2e)["total"] < 420
+        # A 4x longer prompt costs more than 4x (attention is quadratic) and less than 16x.
+        assert 4 * e2e["prefill_32768"] < e2e["prefill_131072"] < 16 * e2e["prefill_32768"]
+    # full at 128k and batch 8 needs 128 GiB of KV: skipped, as the bench skips it.
+    small = gpu_estimate.e2e_s(LLAMA_31_8B, [131072], [8], ["full"], 256, 10, 2, 2, gpu_estimate.CHIPS["h100"])
+    assert small["decode_131072"] == 0
