@@ -96,6 +96,19 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.capacity"))
 
+    p = bench.add_parser("prefill-peak", help="a long first turn's device peak per mode, fed layer by layer: "
+                         "session KV/KT, its admission bound and the prefill's scratch")
+    p.add_argument("--context", type=int, default=8000)
+    p.add_argument("--budget", type=int, default=256, help="RocketKV token budget")
+    p.add_argument("--modes", default="full,rocketkv,tiered")
+    p.add_argument("--model", default=None, help="a bundled model's name (default: the server's)")
+    p.add_argument("--shapes", default=None, help="instead: a random-weight model of these shapes (bench.random_model)")
+    p.add_argument("--device", default=None, help="with --shapes: cpu or cuda (default: cuda where there is one)")
+    p.add_argument("--rows", type=int, default=0, help="rows per group (default: RKV_PREFILL_CHUNK)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens the turn would generate (its bound counts them)")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run("bench.prefill_peak"))
+
     p = bench.add_parser("ttft", help="time to first token of a later turn: stateful session vs stateless re-prefill")
     p.add_argument("--context", type=int, default=4000, help="tokens of history before the measured turn")
     p.add_argument("--turn", type=int, default=4, help="the measured turn (its history is the turns before it)")

@@ -62,22 +62,27 @@ class LayerPrefill:
     def advance(self, deadline: float | None = None) -> int:
         """Feed groups, at least one, until every layer has had the prompt or ``time.perf_counter()``
         passes ``deadline`` (None: to the end); returns the rows fed."""
-        layers, fed = self.model.model.layers, 0
+        fed = 0
         while not self.done:
-            t0 = time.perf_counter()
-            a, b = self.offset, min(self.offset + self._group(deadline, t0), self.n)
-            self.hidden[:, a:b] = layers[self.layer](
-                self.hidden[:, a:b], attention_mask=None, position_ids=self.position_ids[:, a:b],
-                position_embeddings=(self.cos[:, a:b], self.sin[:, a:b]), rkv_cache=self.cache,
-            )
-            fed += b - a
-            self.layer, self.offset = (self.layer + 1, 0) if b == self.n else (self.layer, b)
-            now = time.perf_counter()
-            row_s = (now - t0) / (b - a)
-            self.row_s = row_s if self.row_s is None else (1 - ROW_EMA) * self.row_s + ROW_EMA * row_s
-            if deadline is not None and now >= deadline:
+            fed += self.feed_group(self._group(deadline, time.perf_counter()))
+            if deadline is not None and time.perf_counter() >= deadline:
                 break
         return fed
+
+    @torch.inference_mode()
+    def feed_group(self, rows: int | None = None) -> int:
+        """One group: the running layer over its next ``rows`` rows (default ``rows``); returns the rows fed."""
+        t0 = time.perf_counter()
+        a = self.offset
+        b = min(a + (rows or self.rows), self.n)
+        self.hidden[:, a:b] = self.model.model.layers[self.layer](
+            self.hidden[:, a:b], attention_mask=None, position_ids=self.position_ids[:, a:b],
+            position_embeddings=(self.cos[:, a:b], self.sin[:, a:b]), rkv_cache=self.cache,
+        )
+        self.layer, self.offset = (self.layer + 1, 0) if b == self.n else (self.layer, b)
+        row_s = (time.perf_counter() - t0) / (b - a)
+        self.row_s = row_s if self.row_s is None else (1 - ROW_EMA) * self.row_s + ROW_EMA * row_s
+        return b - a
 
     def _group(self, deadline: float | None, now: float) -> int:
         """Rows of the next group: ``rows``, or with a deadline as many as fit before it at the running
