@@ -17,6 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Settings that change what a bench measures travel in the environment; the command shows them.
 ENV_PREFIX = "RKV_"
+# The commit of a tree that travelled without its git history (a lent GPU machine): gpu_run.sh sets it
+# from the bundle, which `make gpu-bundle` builds in the checkout.
+SOURCE_COMMIT = "RKV_SOURCE_COMMIT"
 
 
 def cpu_model() -> str:
@@ -46,17 +49,19 @@ def machine() -> dict:
 
 
 def commit(root: Path = ROOT) -> str | None:
-    """The short hash of the checked-out commit, with ``-dirty`` when tracked files differ from it;
-    None outside a git checkout (a lent machine receives the tree without its history)."""
+    """The short hash of the checked-out commit, with ``-dirty`` when tracked files differ from it.
+    Outside a git checkout (a lent machine receives the tree without its history): ``RKV_SOURCE_COMMIT``,
+    else None."""
+    travelled = os.environ.get(SOURCE_COMMIT) or None
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"],
                               capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
-            return None
+            return travelled
         dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--"],
                                capture_output=True, timeout=30).returncode == 1
     except (OSError, subprocess.SubprocessError):
-        return None
+        return travelled
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
@@ -72,7 +77,8 @@ def command(argv: list[str] | None = None, environ: dict[str, str] | None = None
         head = f"python -m bench.{program.stem}"
     else:
         head = program.name
-    settings = [f"{k}={shlex.quote(v)}" for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIX)]
+    settings = [f"{k}={shlex.quote(v)}" for k, v in sorted(environ.items())
+                if k.startswith(ENV_PREFIX) and k != SOURCE_COMMIT]
     return " ".join([*settings, head, *(shlex.quote(a) for a in argv[1:])])
 
 

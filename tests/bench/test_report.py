@@ -10,7 +10,7 @@ import shutil
 from bench import report
 from bench.common import write_json
 from bench.plot import plottable
-from bench.provenance import command
+from bench.provenance import command, commit
 from bench.results import RESULTS, ROOT, shipped
 from cli.main import build_parser
 
@@ -105,3 +105,13 @@ def test_the_command_reads_as_typed_again():
                    {"RKV_MODEL": "bundled:qwen2.5-coder-0.5b", "PATH": "/bin"}) == \
         "RKV_MODEL=bundled:qwen2.5-coder-0.5b rocketkv-mt eval --modes full,tiered --variants '{\"a\": 1}'"
     assert command(["/repo/bench/gpu_check.py", "--quick"], {}) == "python -m bench.gpu_check --quick"
+
+
+def test_a_tree_without_git_names_the_commit_it_travelled_with(tmp_path, monkeypatch):
+    # A lent GPU machine receives the tree without .git; gpu_run.sh exports the bundle's commit.
+    monkeypatch.delenv("RKV_SOURCE_COMMIT", raising=False)
+    assert commit(tmp_path) is None
+    monkeypatch.setenv("RKV_SOURCE_COMMIT", "0123abc")
+    assert commit(tmp_path) == "0123abc"
+    assert re.match(r"^[0-9a-f]{7}(-dirty)?$", commit(ROOT))  # a checkout answers for itself
+    assert "RKV_SOURCE_COMMIT" not in command(["rocketkv-mt", "bench", "hsa"])
