@@ -70,9 +70,14 @@ def _ms(n: float) -> str:
     return f"{n:,.1f} ms"
 
 
+def _cell(value) -> str:
+    """A table cell: a pipe or a line break inside a value (an error message) would break the row."""
+    return " ".join(str(value).split()).replace("|", "\\|")
+
+
 def _table(head: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines
 
 

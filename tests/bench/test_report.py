@@ -14,7 +14,9 @@ from bench.provenance import command, commit
 from bench.results import RESULTS, ROOT, shipped
 from cli.main import build_parser
 
-HASH = re.compile(r"^[0-9a-f]{7}$")
+HASH = re.compile(r"^[0-9a-f]{7}(-dirty)?$")
+# The RKV_ settings in force, then the command: `rocketkv-mt ...`, or a bench run as a module (the GPU check).
+COMMAND = r"(RKV_\w+=\S+ )*(rocketkv-mt|python -m bench\.\w+) .+"
 
 
 def sections(text: str) -> dict[str, str]:
@@ -44,16 +46,18 @@ def test_one_section_per_benchmark_each_run_with_its_command_machine_and_commit(
         files = sorted(p.relative_to(ROOT).as_posix() for p in (RESULTS / name).rglob("*.json"))
         assert sorted(run.splitlines()[0].strip("` ") for run in runs) == files, name
         for run in runs:
-            assert re.search(r"^- command: `(RKV_\w+=\S+ )*rocketkv-mt .+ --json results/\S+\.json`$", run, re.M), run
+            assert re.search(rf"^- command: `{COMMAND}`$", run, re.M), run
             assert re.search(r"^- machine: .+, \d+ cores, (no GPU|GPU .+)$", run, re.M), run
-            assert re.search(r"^- commit: [0-9a-f]{7}$", run, re.M), run
+            assert re.search(r"^- commit: [0-9a-f]{7}(-dirty)?$", run, re.M), run
             assert re.search(r"^\|---\|", run, re.M), f"{name}: a run without its table"
 
 
 def test_every_shipped_result_carries_its_command_machine_and_commit():
     for result in shipped():
         data, where = result.data, result.relative()
-        assert data["command"].endswith(f"--json {where}"), where
+        assert re.fullmatch(COMMAND, data["command"]), where
+        if "--json" in data["command"]:  # run again, it writes this very file
+            assert data["command"].endswith(f"--json {where}"), where
         assert set(data["machine"]) == {"cpu", "cores", "gpu"} and data["machine"]["cores"] >= 1, where
         assert HASH.match(data["commit"]), where
 
@@ -83,10 +87,11 @@ def test_a_result_of_a_benchmark_the_report_does_not_know_is_listed_by_its_field
     (tmp_path / "gpu" / "summary.json").write_text(json.dumps(
         {"command": "rocketkv-mt bench e2e --json results/gpu/summary.json", "commit": "abcdef1",
          "machine": {"cpu": "Some CPU", "cores": 16, "gpu": "NVIDIA H100"}, "wall_s": 301.5,
-         "parts": {"e2e": "ok"}}))
+         "parts": {"e2e": "ok", "kernel_tests": "2 failed | see\nlog"}}))
     text = report.build(shipped(tmp_path), results_dir=tmp_path)
     assert "- machine: Some CPU, 16 cores, GPU NVIDIA H100" in text
     assert "| wall_s | 301.5 |" in text and "| parts.e2e | ok |" in text
+    assert "| parts.kernel_tests | 2 failed \\| see log |" in text  # one row, whatever the value holds
 
 
 def test_a_written_result_is_stamped_with_its_provenance(tmp_path, monkeypatch):
