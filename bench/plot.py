@@ -164,6 +164,9 @@ def main(args) -> int:
 
     try:
         written = plot_files(args.results, Path(args.out))
+    except ImportError as exc:  # matplotlib comes with the dev extras (`make setup` installs them)
+        print(f"bench plot: {exc}: install the dev extras (pip install -e '.[dev]')", file=sys.stderr)
+        return 2
     except (ValueError, KeyError, OSError) as exc:
         print(f"bench plot: {exc}", file=sys.stderr)
         return 2

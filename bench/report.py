@@ -305,6 +305,9 @@ def write(results_dir: Path = RESULTS, doc: Path = DOC) -> list[Path]:
 def main(args) -> int:
     try:
         written = write(Path(args.results), Path(args.out))
+    except ImportError as exc:  # matplotlib comes with the dev extras (`make setup` installs them)
+        print(f"bench report: {exc}: install the dev extras (pip install -e '.[dev]')", file=sys.stderr)
+        return 2
     except (ValueError, KeyError, OSError) as exc:
         print(f"bench report: {exc}", file=sys.stderr)
         return 2
