@@ -56,7 +56,7 @@ class Settings(BaseSettings):
         15,
         ge=1,
         description="Stage-1 max-pool kernel over the scores (odd). The paper uses 63; 15 kept more of what the "
-        "bundled 135M model needs at budget 256 (README, measured figures).",
+        "bundled 135M model needs at budget 256 (docs/design.md, Stage 1).",
     )
     max_new_tokens: int = Field(256, ge=1, description="Default cap on generated tokens per turn.")
     max_tokens_limit: int = Field(

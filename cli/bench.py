@@ -134,6 +134,22 @@ def add_bench_parser(sub) -> None:
     add_history_swap_parser(bench)
     add_fidelity_parser(bench)
     add_gpu_parsers(bench)
+    add_report_parsers(bench)
+
+
+def add_report_parsers(bench) -> None:
+    from bench.report import DOC
+    from bench.results import RESULTS
+
+    p = bench.add_parser("plot", help="draw result files (eval, decode, scaling, capacity, serve) as PNG figures")
+    p.add_argument("results", nargs="+", metavar="RESULT.json", help="result files written by a bench's --json")
+    p.add_argument("--out", required=True, help="folder of the figures, one <folder>-<stem>.png per result file")
+    p.set_defaults(func=_run("bench.plot"))
+
+    p = bench.add_parser("report", help="write docs/benchmarks.md and its figures from the result files")
+    p.add_argument("--results", default=str(RESULTS), help="the result files' folder, one subfolder per benchmark")
+    p.add_argument("--out", default=str(DOC), help="the page to write; its figures go to a folder named after it")
+    p.set_defaults(func=_run("bench.report"))
 
 
 def add_gpu_parsers(bench) -> None:
