@@ -1,7 +1,7 @@
 """The GPU check: one prepared run of everything that needs a GPU, under 8 minutes on one H200.
 
     python -m bench.gpu_check [--out results/gpu] [--contexts 32k,128k] [--batches 1,8] [--redis-url URL]
-                              [--budget-s 420] [--quick] [--estimate]
+                              [--budget-s 450] [--quick] [--estimate]
 
 On a lent machine it runs as ``bash bench/gpu_run.sh`` with the bundle of ``make gpu-bundle``
 carried (README: GPU check): the image's Python and torch, a few wheels, no network. So it and what

@@ -14,27 +14,16 @@ from app.engine.errors import DeviceMemoryExhausted
 from app.engine.events import TextDelta, TurnDone
 from app.engine.sampling import SamplingParams
 from app.engine.steps import RecentMedian, Request, chunk_budget, take
-from bench.common import fit_words
-from bench.haystack import filler_text
+import turn_helpers
+from turn_helpers import message, reply_ids
 
 CHUNK = 64
 MODES = ["full", "snapkv", "rocketkv", "rocketkv-mt", "tiered"]
 PARAMS = SamplingParams(max_tokens=10)
 
 
-def message(engine, seed: int, words: int) -> str:
-    return fit_words(engine.tokenizer, filler_text(words, seed=seed), words) + "\n\nWhat is this text about?"
-
-
 async def run_turn(engine, sid: str, text: str, params: SamplingParams = PARAMS) -> TurnDone:
-    async for event in await engine.chat(sid, text, params):
-        if isinstance(event, TurnDone):
-            return event
-
-
-def reply_ids(session, done: TurnDone) -> list[int]:
-    start = done.usage.prompt_tokens
-    return session.token_ids[start : start + done.usage.generated_tokens]
+    return await turn_helpers.run_turn(engine, sid, text, params)
 
 
 def by_position(layer) -> tuple[torch.Tensor, torch.Tensor]:

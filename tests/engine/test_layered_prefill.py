@@ -13,26 +13,16 @@ from app.engine.errors import DeviceMemoryExhausted
 from app.engine.events import TextDelta, TurnDone
 from app.engine.sampling import SamplingParams
 from app.engine.steps import StepLog
-from bench.common import fit_words
-from bench.haystack import filler_text
+import turn_helpers
+from turn_helpers import message, reply_ids
 
 pytestmark = pytest.mark.slow
 CHUNK = 64
 PARAMS = SamplingParams(max_tokens=8)
 
 
-def message(engine, seed: int, words: int) -> str:
-    return fit_words(engine.tokenizer, filler_text(words, seed=seed), words) + "\n\nWhat is this text about?"
-
-
 async def run_turn(engine, sid: str, text: str, params: SamplingParams = PARAMS) -> TurnDone:
-    async for event in await engine.chat(sid, text, params):
-        if isinstance(event, TurnDone):
-            return event
-
-
-def reply(session, done: TurnDone) -> list[int]:
-    return session.token_ids[done.usage.prompt_tokens : done.usage.prompt_tokens + done.usage.generated_tokens]
+    return await turn_helpers.run_turn(engine, sid, text, params)
 
 
 async def test_two_long_first_prompts_prefill_together_within_their_bounds(make_engine, monkeypatch):
@@ -43,7 +33,7 @@ async def test_two_long_first_prompts_prefill_together_within_their_bounds(make_
     want = []
     for text in texts:
         s = whole.create_session(mode="tiered", budget=64)
-        want.append(reply(s, await run_turn(whole, s.id, text)))
+        want.append(reply_ids(s, await run_turn(whole, s.id, text)))
 
     a = engine.create_session(mode="rocketkv", budget=64)
     b, c = (engine.create_session(mode="tiered", budget=64) for _ in range(2))
@@ -75,7 +65,7 @@ async def test_two_long_first_prompts_prefill_together_within_their_bounds(make_
         return await run_turn(engine, session.id, text)
 
     a_done, b_done, c_done = await asyncio.gather(streaming(), long_turn(b, texts[0]), long_turn(c, texts[1]))
-    assert [reply(b, b_done), reply(c, c_done)] == want  # exactly a whole prefill's tokens
+    assert [reply_ids(b, b_done), reply_ids(c, c_done)] == want  # exactly a whole prefill's tokens
     assert a_done.usage.generated_tokens == 40
     stats = engine.stats()
     assert stats["turns_refused_device_memory"] == 0 and stats["device_reservation_overruns"] == 0
@@ -146,7 +136,7 @@ async def test_a_first_turn_stopped_between_slices_leaves_the_session_as_before(
     text = message(engine, 7, 230)
     done_ref = await run_turn(engine, reference.id, text)
     done_stopped = await run_turn(engine, stopped.id, text)
-    assert reply(stopped, done_stopped) == reply(reference, done_ref)
+    assert reply_ids(stopped, done_stopped) == reply_ids(reference, done_ref)
     assert done_stopped.usage == done_ref.usage
     assert stopped.cache.kept_tokens() == reference.cache.kept_tokens()
     for x, y in zip(stopped.cache.layers, reference.cache.layers):
