@@ -64,11 +64,15 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY` when the server needs one")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time phase")
     p.add_argument("--stall", action="store_true",
-                   help="instead: the sessions stream long replies, then a long first message arrives in one more "
-                   "session; reports the p95 gap between streamed tokens before it and the longest pause while it "
+                   help="instead: the sessions stream long replies, then a long message arrives in one more "
+                   "session (its first turn, or --stall-turn); reports the p95 gap between streamed tokens before it and the longest pause while it "
                    "is prefilled (bench/serve_stall.py)")
     p.add_argument("--stall-tokens", type=int, default=7000, help="--stall: tokens of the long first message")
     p.add_argument("--stall-reply-tokens", type=int, default=2048, help="--stall: max tokens of the streamed replies")
+    p.add_argument("--stall-turn", type=int, default=1,
+                   help="--stall: the long message is this turn of its session (earlier ones: --stall-history)")
+    p.add_argument("--stall-history", type=int, default=1500,
+                   help="--stall: tokens of that session's first message when the long one is a later turn")
     p.add_argument("--stall-baseline", type=float, default=20.0,
                    help="--stall: seconds of streaming measured before the long message is sent")
     p.add_argument("--json", dest="json_out", default=None)
