@@ -1,7 +1,9 @@
 """``rocketkv-mt eval``: multi-turn recall per cache mode, greedy, all modes in one run.
 
 Task file: one conversation per line, ``{"id": ..., "turns": [{"user": ..., "answer": ...}, ...]}``;
-a turn is correct when ``answer`` occurs, case-insensitively, in the reply.
+a turn is correct when ``answer`` occurs, case-insensitively, in the reply. A turn with several gold
+answers (a QA set's annotators) lists them all under ``answers``: any one of them counts. A
+conversation with a ``kind`` (the RULER-based files) is also counted under it, in ``per_kind``.
 """
 from __future__ import annotations
 
@@ -19,7 +21,17 @@ def load_tasks(path: str) -> list[dict]:
     for row in rows:
         if not row.get("turns") or not all("user" in t and "answer" in t for t in row["turns"]):
             raise ValueError(f"task {row.get('id')!r}: every turn needs 'user' and 'answer'")
+        for turn in row["turns"]:
+            golds = turn.get("answers", [turn["answer"]])
+            if not golds or not all(isinstance(g, str) and g.strip() for g in golds):
+                raise ValueError(f"task {row.get('id')!r}: 'answers' must be a list of non-empty strings")
     return rows
+
+
+def correct(turn: dict, reply: str) -> bool:
+    """Whether one of the turn's gold answers occurs in the reply, case-insensitively."""
+    text = reply.lower()
+    return any(gold.lower() in text for gold in turn.get("answers", [turn["answer"]]))
 
 
 async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens: int, progress=None) -> dict:
@@ -27,6 +39,7 @@ async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens
     per_turn = [[0, 0] for _ in range(n_turns)]
     peak, latencies, replies = 0, [], []
     traffic = dict.fromkeys(TRAFFIC_FIELDS, 0)
+    per_kind: dict[str, list[int]] = {}
     params = SamplingParams(max_tokens=max_tokens)
     for task in tasks:
         session = engine.create_session(mode=mode, budget=budget)
@@ -35,9 +48,13 @@ async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens
             t0 = time.perf_counter()
             done = await engine.complete(session.id, turn["user"], params)
             latencies.append((time.perf_counter() - t0) * 1000)
-            ok = turn["answer"].lower() in done.text.lower()
+            ok = correct(turn, done.text)
             per_turn[i][0] += ok
             per_turn[i][1] += 1
+            if "kind" in task:
+                counts = per_kind.setdefault(task["kind"], [0, 0])
+                counts[0] += ok
+                counts[1] += 1
             peak = max(peak, done.memory.device_bytes)
             for k in traffic:
                 traffic[k] += getattr(done.memory, k)
@@ -45,21 +62,23 @@ async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens
         replies.append({"id": task["id"], "turns": convo})
         engine.delete_session(session.id)
         if progress is not None:
-            progress(summary(per_turn, peak, latencies, replies, traffic))
-    return summary(per_turn, peak, latencies, replies, traffic)
+            progress(summary(per_turn, peak, latencies, replies, traffic, per_kind))
+    return summary(per_turn, peak, latencies, replies, traffic, per_kind)
 
 
-def summary(per_turn, peak, latencies, replies, traffic=None) -> dict:
-    correct = sum(c for c, _ in per_turn)
+def summary(per_turn, peak, latencies, replies, traffic=None, per_kind=None) -> dict:
+    right = sum(c for c, _ in per_turn)
     total = sum(n for _, n in per_turn)
+    kinds = {"per_kind": {k: {"correct": c, "total": n} for k, (c, n) in per_kind.items()}} if per_kind else {}
     return {
-        "accuracy": round(correct / max(total, 1), 4),
-        "correct": correct,
+        "accuracy": round(right / max(total, 1), 4),
+        "correct": right,
         "total": total,
         "per_turn_accuracy": [round(c / max(n, 1), 4) for c, n in per_turn],
         "peak_device_kv_bytes": peak,
         "mean_turn_latency_ms": round(sum(latencies) / max(len(latencies), 1), 1),
         "mean_bytes_per_turn": {k: round(v / max(len(latencies), 1)) for k, v in (traffic or {}).items()},
+        **kinds,
         "replies": replies,
     }
 

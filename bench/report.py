@@ -20,7 +20,8 @@ DOC = ROOT / "docs" / "benchmarks.md"
 ABOUT = {
     "eval": "Multi-turn recall (`rocketkv-mt eval`): conversations whose first message hides four facts in "
             "filler, then one question per turn about another fact; greedy replies, correct when they hold "
-            "the fact. Accuracy per turn shows what each mode forgets as the conversation goes on.",
+            "the fact. Accuracy per turn shows what each mode forgets as the conversation goes on. The "
+            "RULER-based files (`bench/tasks/ruler_*.jsonl`, docs/ruler.md) add correct answers per task kind.",
     "needle": "Single-turn pass-key retrieval (`rocketkv-mt bench needle`): a 5-digit key hidden at several "
               "depths of a long prompt; correct when the reply holds it.",
     "fidelity": "Teacher-forced agreement with full attention (`rocketkv-mt bench fidelity`): every variant "
@@ -81,11 +82,18 @@ def _table(head: list[str], rows: list[list]) -> list[str]:
 
 
 def _eval(d: dict) -> list[str]:
+    kinds = list(dict.fromkeys(k for m in d["modes"].values() for k in m.get("per_kind", {})))
     rows = [[f"`{mode}`", f"{m['correct']} / {m['total']}", " / ".join(f"{a:.3g}" for a in m["per_turn_accuracy"]),
+             *(_count(m.get("per_kind", {}).get(k)) for k in kinds),
              _mb(m["peak_device_kv_bytes"]), f"{m['mean_turn_latency_ms'] / 1000:.1f} s"]
             for mode, m in d["modes"].items()]
     lines = [f"`{d['tasks']}`, {d['conversations']} conversations, budget {d['budget']}.", ""]
-    return lines + _table(["mode", "correct", "accuracy per turn", "peak device KV", "mean turn latency"], rows)
+    head = ["mode", "correct", "accuracy per turn", *kinds, "peak device KV", "mean turn latency"]
+    return lines + _table(head, rows)
+
+
+def _count(c: dict | None) -> str:
+    return "-" if c is None else f"{c['correct']} / {c['total']}"
 
 
 def _needle(d: dict) -> list[str]:

@@ -120,3 +120,16 @@ def test_a_tree_without_git_names_the_commit_it_travelled_with(tmp_path, monkeyp
     assert commit(tmp_path) == "0123abc"
     assert re.match(r"^[0-9a-f]{7}(-dirty)?$", commit(ROOT))  # a checkout answers for itself
     assert "RKV_SOURCE_COMMIT" not in command(["rocketkv-mt", "bench", "hsa"])
+
+
+def test_an_eval_with_task_kinds_shows_correct_answers_per_kind():
+    mode = {"correct": 3, "total": 8, "per_turn_accuracy": [0.5, 0.25], "peak_device_kv_bytes": 2e6,
+            "mean_turn_latency_ms": 1500.0}
+    d = {"tasks": "bench/tasks/ruler_6k.jsonl", "conversations": 2, "budget": 256,
+         "modes": {"full": {**mode, "per_kind": {"needles": {"correct": 2, "total": 4}}},
+                   "tiered": {**mode, "per_kind": {"needles": {"correct": 1, "total": 4},
+                                                   "squad": {"correct": 0, "total": 4}}}}}
+    lines = report._eval(d)
+    assert lines[2] == "| mode | correct | accuracy per turn | needles | squad | peak device KV | mean turn latency |"
+    assert lines[4].startswith("| `full` | 3 / 8 | 0.5 / 0.25 | 2 / 4 | - | 2.0 MB")
+    assert lines[5].startswith("| `tiered` | 3 / 8 | 0.5 / 0.25 | 1 / 4 | 0 / 4 | 2.0 MB")

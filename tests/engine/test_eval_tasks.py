@@ -9,7 +9,7 @@ import pytest
 from app.engine.events import MemoryStats
 
 from bench import make_tasks
-from bench.eval_mt import load_tasks, run_mode
+from bench.eval_mt import correct, load_tasks, run_mode
 
 TASKS = Path(make_tasks.__file__).parent / "tasks"
 
@@ -75,6 +75,34 @@ def test_a_turn_counts_when_its_answer_occurs_case_insensitively():
     assert out["peak_device_kv_bytes"] == 30 and engine.deleted == ["s0", "s1"]
     assert [t["correct"] for t in out["replies"][0]["turns"]] == [True, False]
     assert out["mean_bytes_per_turn"]["cold_bytes_read"] == round(2 * (10 + 30 + 20 + 5) / 4)
+
+
+def test_any_of_several_gold_answers_counts_and_kinds_are_counted_apart():
+    tasks = [
+        {"id": "q", "kind": "squad", "turns": [
+            {"user": "q1", "answer": "Magdalen Tower", "answers": ["Magdalen Tower", "Oxford's Magdalen Tower"]},
+            {"user": "q2", "answer": "1934", "answers": ["1934", "in 1934"]}]},
+        {"id": "n", "kind": "needles", "turns": [{"user": "q1", "answer": "4367190"}]},
+    ]
+    engine = _ScriptedEngine([("It copies oxford's magdalen tower.", 1), ("In 1935.", 1), ("4367190", 1)])
+    out = asyncio.run(run_mode(engine, "full", tasks, 256, 16))
+    assert [t["correct"] for t in out["replies"][0]["turns"]] == [True, False]
+    assert out["per_kind"] == {"squad": {"correct": 1, "total": 2}, "needles": {"correct": 1, "total": 1}}
+    assert correct({"answer": "x", "answers": ["Paris", "France"]}, "it is in FRANCE")
+    assert not correct({"answer": "Paris"}, "it is in France")
+
+
+def test_files_without_kinds_have_no_per_kind_counts():
+    engine = _ScriptedEngine([("purple", 1)])
+    out = asyncio.run(run_mode(engine, "full", [{"id": "a", "turns": [{"user": "q", "answer": "purple"}]}], 256, 16))
+    assert "per_kind" not in out and out["correct"] == 1
+
+
+def test_a_turn_whose_answers_are_empty_is_refused(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "turns": [{"user": "hi", "answer": "a", "answers": ["a", ""]}]}) + "\n")
+    with pytest.raises(ValueError, match="non-empty strings"):
+        load_tasks(str(bad))
 
 
 @pytest.mark.slow
