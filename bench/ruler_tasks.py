@@ -73,13 +73,14 @@ def conversation(kind: str, idx: int, rng: random.Random, corpus: Corpus, target
 
 
 def task_rows(corpus: Corpus, target: int, per_kind: int, turns: int, count: Count) -> list[dict]:
-    rows = []
+    """``per_kind`` conversations of every kind, the kinds taking turns: ``eval --limit 4k`` runs k of each."""
+    by_kind = []
     for kind in KINDS:
         # A seed per kind and size (a string seeds the same in every process), so kinds vary independently.
         rng = random.Random(f"ruler-{kind}-{target}")
         used: set[str] = set()
-        rows += [conversation(kind, i, rng, corpus, target, count, turns, used) for i in range(per_kind)]
-    return rows
+        by_kind.append([conversation(kind, i, rng, corpus, target, count, turns, used) for i in range(per_kind)])
+    return [row for rows in zip(*by_kind) for row in rows]
 
 
 def token_counter(model: str) -> tuple[Count, str]:
