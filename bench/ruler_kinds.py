@@ -30,7 +30,7 @@ KEY_NOUNS = ["anchor", "badger", "canyon", "dagger", "ember", "falcon", "garnet"
              "kettle", "lantern", "meadow", "nectar", "orchard", "pebble", "quarry", "ribbon", "saddle", "thistle"]
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 DOC_SEP = "\n\nDocument 10:\n"  # what stands before a document, for its token count
-MAX_ANSWER_WORDS = 5  # a reply of the eval's default 16 tokens has room for it
+MAX_ANSWER_WORDS = 5  # QA answers a short reply can hold whole
 
 
 def sentences(text: str) -> list[str]:
@@ -65,6 +65,7 @@ def insert_at_depths(units: list[str], inserts: list[str], rng: random.Random) -
 
 def needles(rng: random.Random, essays: list[str], target: int, count: Count, asked: int,
             distractors: int = 2) -> tuple[str, list[Question]]:
+    """Essay sentences from a random one on, with ``asked + distractors`` key-value needles in them."""
     keys = rng.sample([f"{a}-{b}" for a in KEY_ADJECTIVES for b in KEY_NOUNS], asked + distractors)
     values = rng.sample(range(1_000_000, 10_000_000), asked + distractors)
     lines = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
@@ -78,6 +79,7 @@ def needles(rng: random.Random, essays: list[str], target: int, count: Count, as
 
 
 def variables(rng: random.Random, target: int, count: Count, asked: int, hops: int = 4) -> tuple[str, list[Question]]:
+    """Noise lines with ``asked`` chains of ``hops`` assignments each; each chain's last variable is asked."""
     names = rng.sample(sorted({"".join(rng.choices(string.ascii_uppercase, k=5)) for _ in range(4 * asked * (hops + 1))}),
                        asked * (hops + 1))
     values = rng.sample(range(10_000, 100_000), asked)
@@ -194,6 +196,7 @@ def _unseen(docs: Iterator[str], seen: set[str]) -> Iterator[str]:
 
 def over_documents(rng: random.Random, pool: list[QA], every_doc: list[str], target: int, count: Count, asked: int,
        used: set[str]) -> tuple[str, list[Question]]:
+    """``asked`` questions of ``pool`` not in ``used``, over their gold documents among distractors."""
     picked = pick_questions(rng, pool, asked, used)
     questions = [(f"Question: {p.question} Answer with a short phrase from the documents only.", p.answers)
                  for p in picked]
