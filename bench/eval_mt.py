@@ -28,7 +28,7 @@ def load_tasks(path: str) -> list[dict]:
     return rows
 
 
-def correct(turn: dict, reply: str) -> bool:
+def answered(turn: dict, reply: str) -> bool:
     """Whether one of the turn's gold answers occurs in the reply, case-insensitively."""
     text = reply.lower()
     return any(gold.lower() in text for gold in turn.get("answers", [turn["answer"]]))
@@ -48,7 +48,7 @@ async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens
             t0 = time.perf_counter()
             done = await engine.complete(session.id, turn["user"], params)
             latencies.append((time.perf_counter() - t0) * 1000)
-            ok = correct(turn, done.text)
+            ok = answered(turn, done.text)
             per_turn[i][0] += ok
             per_turn[i][1] += 1
             if "kind" in task:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from app.engine.sampling import SamplingParams
 from bench.common import load_engine, run_async
-from bench.eval_mt import correct, load_tasks
+from bench.eval_mt import answered, load_tasks
 
 
 async def _history(engine, mode: str, budget: int, turns: list[dict], params):
@@ -26,7 +26,7 @@ async def _answer(engine, mode: str, budget: int, history, turn: dict, params) -
     session.messages, session.token_ids = list(history[0]), list(history[1])
     done = await engine.complete(session.id, turn["user"], params)
     engine.delete_session(session.id)
-    return {"correct": correct(turn, done.text), "reply": done.text}
+    return {"correct": answered(turn, done.text), "reply": done.text}
 
 
 async def run(args) -> dict:

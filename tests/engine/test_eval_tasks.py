@@ -9,7 +9,7 @@ import pytest
 from app.engine.events import MemoryStats
 
 from bench import make_tasks
-from bench.eval_mt import correct, load_tasks, run_mode
+from bench.eval_mt import answered, load_tasks, run_mode
 
 TASKS = Path(make_tasks.__file__).parent / "tasks"
 
@@ -88,8 +88,8 @@ def test_any_of_several_gold_answers_counts_and_kinds_are_counted_apart():
     out = asyncio.run(run_mode(engine, "full", tasks, 256, 16))
     assert [t["correct"] for t in out["replies"][0]["turns"]] == [True, False]
     assert out["per_kind"] == {"squad": {"correct": 1, "total": 2}, "needles": {"correct": 1, "total": 1}}
-    assert correct({"answer": "x", "answers": ["Paris", "France"]}, "it is in FRANCE")
-    assert not correct({"answer": "Paris"}, "it is in France")
+    assert answered({"answer": "x", "answers": ["Paris", "France"]}, "it is in FRANCE")
+    assert not answered({"answer": "Paris"}, "it is in France")
 
 
 def test_files_without_kinds_have_no_per_kind_counts():
