@@ -274,5 +274,12 @@ class HostTier:
         return "redis" if key in self._in_redis else "none"
 
     @one_at_a_time
+    def where_many(self, session_id: str, page_ids: list[str]) -> list[str]:
+        """``where`` of many pages under one hold of the lock (the memory map asks for every page)."""
+        resident, in_redis = self._resident, self._in_redis
+        return ["host" if (session_id, pid) in resident else "redis" if (session_id, pid) in in_redis else "none"
+                for pid in page_ids]
+
+    @one_at_a_time
     def session_bytes(self, session_id: str) -> int:
         return self._page_bytes * self._per_session.get(session_id, 0)

@@ -19,6 +19,7 @@ import torch
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.base import AttentionTimer, CacheSpec, ForwardStep
 from rocketkv_mt.cache.decode_target import DecodeTarget
+from rocketkv_mt.cache.memory_map import MemoryMap, memory_map
 from rocketkv_mt.cache.mode import CacheMode
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext
@@ -213,3 +214,6 @@ class ComposedCache:
 
     def tier_bytes(self) -> dict[str, int]:
         return {"device": self.device_bytes(), **self.prefill.cold_bytes()}
+
+    def memory_map(self, positions: int) -> MemoryMap:
+        return memory_map(self.layers, self.prefill, self.history_len, positions)

@@ -33,6 +33,7 @@ from rocketkv_mt.standin import StandIn, beside, standin_pages
 from rocketkv_mt.take_rows import take_rows
 from tiers.base import batch_nbytes
 from tiers.cold_layer import ColdLayer, Sketched
+from tiers.residency import ColdResidency
 
 
 def read_bytes(cand: tuple) -> int:
@@ -184,6 +185,8 @@ class ReselectTiered(PrefillPolicy):
         self._whole = [None] * len(self._whole)
         self._drop_prefetched()
         self.settle()
+        for cold in self.cold:  # the memory map's "moved by the last turn" starts here
+            cold.new_turn()
 
     def chunkable(self) -> bool:
         # The cold pages a turn reads, and with ``selected`` what every new token attends to, follow
@@ -535,6 +538,9 @@ class ReselectTiered(PrefillPolicy):
 
     def cold_pages(self) -> int:
         return max(cold.live_page_count() for cold in self.cold)
+
+    def cold_residency(self, layer: int) -> ColdResidency:
+        return self.cold[layer].residency()
 
     def cold_bytes(self) -> dict[str, int]:
         host, sid = self.tiers.host, self.tiers.session_id
