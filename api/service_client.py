@@ -139,6 +139,9 @@ class ServiceClient:
     async def export_session(self, sid, token, owner=None):
         return await self._call(sid, "export_session", sid, token, owner)
 
+    async def memory_map(self, sid, token, owner=None, text=False):
+        return await self._call(sid, "memory_map", sid, token, owner, text)
+
     async def delete_session(self, sid, token, owner=None):
         await self._call(sid, "delete_session", sid, token, owner)
 
