@@ -68,13 +68,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
         from api.client import run_chat_client
 
         return run_chat_client(args)
+    import dataclasses
+
+    from api.map_text import render, tier_line
     from app.engine.engine import Engine
     from app.engine.errors import EngineError
+    from app.session_map import map_summary, session_map
 
     engine = Engine(_settings(args))
     session = engine.create_session()
     params = _sampling(args)
-    print(f"session {session.id} (mode {session.mode}); empty line or Ctrl-D to quit", file=sys.stderr)
+    print(f"session {session.id} (mode {session.mode}); /map shows where its tokens are; "
+          "empty line or Ctrl-D to quit", file=sys.stderr)
 
     async def loop() -> None:
         while True:
@@ -84,6 +89,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 return
             if not line.strip():
                 return
+            if line.strip() == "/map":
+                print(render(await session_map(engine, session)), file=sys.stderr)
+                continue
             try:
                 await _stream_turn(engine, session.id, line, params)
             except EngineError as exc:
@@ -95,6 +103,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     f"{turn.kept_tokens}/{len(session.token_ids)} tokens on device]",
                     file=sys.stderr,
                 )
+                summary = dataclasses.asdict(map_summary(engine, session))
+                print(tier_line({"memory": dataclasses.asdict(engine.memory(session)), "memory_map": summary}),
+                      file=sys.stderr)
 
     asyncio.run(loop())
     return 0

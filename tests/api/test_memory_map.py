@@ -3,13 +3,17 @@ host tier spills to Redis (all three tiers in use), checked against the cache's 
 same refusal as every session route for a wrong token or another API key's session."""
 from __future__ import annotations
 
+import argparse
 import uuid
 
 import httpx
 import pytest
 import torch
 from serving_helpers import WsChat, local_server, turn_until_done
+from websockets.asyncio.client import connect
 
+from api.client import Client, auth_headers, ws_url
+from api.map_text import render, tier_line
 from bench.haystack import hide
 
 pytestmark = pytest.mark.slow
@@ -120,3 +124,36 @@ async def test_the_map_answers_only_its_owner_with_its_token(server):
     fresh = httpx.get(url, headers={**a, **token}).json()
     assert fresh["summary"]["positions"] == 0 and fresh["rows"][0]["runs"] == [] and fresh["messages"] == []
     assert torch.tensor([r["layer"] for r in fresh["rows"]]).unique().numel() == 30
+
+
+def test_the_text_map_draws_layers_messages_and_readmissions():
+    states = ["device", "host", "redis", "evicted", "unfed", "lost"]
+    # Two layers, one KV head, 8 positions: layer 0 device, host, Redis, layer 1 device with two re-admitted.
+    mm = {"states": states, "summary": {"positions": 8, "layers": 2, "kv_heads": 1},
+          "rows": [{"layer": 0, "head": 0, "runs": [0, 2, 1, 2, 2, 4], "readmitted": [], "demoted": []},
+                   {"layer": 1, "head": 0, "runs": [0, 8], "readmitted": [4, 2], "demoted": []}],
+          "messages": [{"role": "user", "start": 0, "end": 5}, {"role": "assistant", "start": 5, "end": 8}]}
+    lines = render(mm, width=8).splitlines()
+    assert lines[1].endswith("U    A  ")
+    assert lines[2].endswith("|##++....|") and lines[3].endswith("|####**##|")
+    halved = render(mm, width=4).splitlines()  # two positions a column: the state most of them are in
+    assert halved[2].endswith("|#+..|") and halved[3].endswith("|##*#|") and "2 tokens a column" in halved[0]
+    done = {"memory": {"device_bytes": 3 * 2**20, "host_bytes": 1536, "redis_bytes": 0, "readmitted_tokens": 7},
+            "memory_map": {"layers": 2, "kv_heads": 1, "demoted": 10}}
+    assert tier_line(done) == "  tiers: device 3.0 MiB | host 1.5 KiB | Redis 0 B; 7 tokens re-admitted, 5 demoted"
+
+
+async def test_the_terminal_client_prints_tiers_after_a_reply_and_draws_the_map(server, monkeypatch, capsys):
+    monkeypatch.setenv("RKV_API_KEY", KEY_A)
+    args = argparse.Namespace(url=server.url, mode="tiered", budget=32, max_tokens=4, temperature=None, top_p=None)
+    async with connect(ws_url(server.url), additional_headers=auth_headers()) as ws:
+        client = Client(ws, args)
+        await client.bind(client._create())
+        await client.turn("Tell me about the moon and the tides in a few words, please, and why they happen.")
+        assert await client.command("/map")
+    err = capsys.readouterr().err
+    tiers = [line for line in err.splitlines() if line.startswith("  tiers: device ")]
+    assert len(tiers) == 1 and "tokens re-admitted" in tiers[0]
+    drawn = [line for line in err.splitlines() if line.lstrip().startswith("layer ")]
+    assert len(drawn) == 30 and all(set(line.split("|")[1]) <= set("#+.*x_!") for line in drawn)
+    assert "memory map:" in err and "U" in err
