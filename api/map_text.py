@@ -2,8 +2,8 @@
 each reply, and ``/map``'s compact drawing of ``GET /v1/sessions/{id}/memory-map``.
 
 The drawing has one line per layer and one column per run of positions: each cell shows the state
-most of its token slots (over the layer's KV heads) are in, or ``*`` where the last turn re-admitted
-any of them; a line above marks where each message starts (``U`` user, ``A`` assistant, ``H`` an
+most of its token slots (over the layer's KV heads) are in, a slot the last turn re-admitted counting
+as ``*``; a line above marks where each message starts (``U`` user, ``A`` assistant, ``H`` an
 imported history).
 """
 from __future__ import annotations
@@ -12,8 +12,7 @@ import math
 from collections import Counter
 from typing import Any
 
-CELL = {"device": "#", "host": "+", "redis": ".", "evicted": "x", "unfed": "_", "lost": "!"}
-READMITTED = "*"
+CELL = {"device": "#", "host": "+", "redis": ".", "evicted": "x", "unfed": "_", "lost": "!", "readmitted": "*"}
 ROLE_MARK = {"user": "U", "assistant": "A", "history": "H"}
 LEGEND = "# device  + host tier  . Redis  * re-admitted by the last turn  x evicted  _ not fed yet  ! lost"
 
@@ -55,13 +54,10 @@ def render(mm: dict[str, Any], width: int = 64) -> str:
     step = max(1, math.ceil(n / max(1, width)))
     cols = math.ceil(n / step)
     counts = [[Counter() for _ in range(cols)] for _ in range(layers)]
-    readmitted = [[False] * cols for _ in range(layers)]
     for row in mm["rows"]:
-        layer = row["layer"]
+        layer, again = row["layer"], _marked(row["readmitted"])
         for p, state in enumerate(_expand(row["runs"], n, mm["states"])):
-            counts[layer][p // step][state] += 1
-        for p in _marked(row["readmitted"]):
-            readmitted[layer][p // step] = True
+            counts[layer][p // step]["readmitted" if p in again else state] += 1
     marks = [" "] * cols
     for span in mm.get("messages") or []:
         col = span["start"] // step
@@ -72,8 +68,7 @@ def render(mm: dict[str, Any], width: int = 64) -> str:
              f"{step} token{'s' if step > 1 else ''} a column",
              " " * (label + 1) + " " + "".join(marks)]
     for layer in range(layers):
-        cells = "".join(READMITTED if readmitted[layer][c] else CELL.get(counts[layer][c].most_common(1)[0][0], "?")
-                        for c in range(cols))
+        cells = "".join(CELL.get(counts[layer][c].most_common(1)[0][0], "?") for c in range(cols))
         lines.append(f"{f'layer {layer}':>{label}} |{cells}|")
     lines.append(LEGEND)
     return "\n".join(lines)
