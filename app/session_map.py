@@ -13,7 +13,7 @@ from typing import Any
 from app.contract.events import MapSummary
 from app.engine.engine import Engine
 from app.engine.session import Session
-from rocketkv_mt.cache.memory_map import MemoryMap, parked_map
+from rocketkv_mt.cache.memory_map import MemoryMap, parked_map, parked_summary
 
 
 def cache_map(engine: Engine, session: Session, positions: int) -> MemoryMap:
@@ -27,8 +27,14 @@ def cache_map(engine: Engine, session: Session, positions: int) -> MemoryMap:
 
 
 def map_summary(engine: Engine, session: Session) -> MapSummary:
-    """The summary a ``done`` event carries (the turn is settled when it is made)."""
-    return MapSummary(**cache_map(engine, session, len(session.token_ids)).summary())
+    """The summary a ``done`` event carries (the turn is settled when it is made), counted from the
+    cache's bookkeeping without building the map: a long history costs no more than its cold pages."""
+    cache, positions = session.cache, len(session.token_ids)
+    if cache is not None:
+        return MapSummary(**cache.map_summary(positions))
+    spec, parked = engine.runner.spec, session.parked_kv
+    fed = int(parked.get("history_len", 0)) if parked else 0
+    return MapSummary(**parked_summary(spec.num_layers, spec.num_kv_heads, fed, positions, parked is not None))
 
 
 def message_spans(session: Session) -> list[dict[str, Any]]:

@@ -154,3 +154,7 @@ class SessionCache(Protocol):
         """Where each of a conversation's ``positions`` tokens is, per layer and KV head
         (``rocketkv_mt.cache.memory_map``): bookkeeping only, no KV read."""
         ...
+
+    def map_summary(self, positions: int) -> dict[str, int]:
+        """``memory_map(positions).summary()``, counted without building the map."""
+        ...

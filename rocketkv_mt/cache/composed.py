@@ -19,7 +19,7 @@ import torch
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.base import AttentionTimer, CacheSpec, ForwardStep
 from rocketkv_mt.cache.decode_target import DecodeTarget
-from rocketkv_mt.cache.memory_map import MemoryMap, memory_map
+from rocketkv_mt.cache.memory_map import MemoryMap, map_summary, memory_map
 from rocketkv_mt.cache.mode import CacheMode
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext
@@ -217,3 +217,6 @@ class ComposedCache:
 
     def memory_map(self, positions: int) -> MemoryMap:
         return memory_map(self.layers, self.prefill, self.history_len, positions)
+
+    def map_summary(self, positions: int) -> dict[str, int]:
+        return map_summary(self.layers, self.prefill, self.history_len, positions)

@@ -13,7 +13,9 @@ residency (``PrefillPolicy.cold_residency``: page tables and the host tier's pag
 value is read or copied; the cost is one byte per (layer, KV head, position) and one host-tier
 look-up per cold page.
 
-The wire form (``encode``) is run-lengths per (layer, KV head) row, see docs/observability.md.
+The wire form (``encode``) is run-lengths per (layer, KV head) row, see docs/observability.md. The
+summary alone (``map_summary``, what every ``done`` event carries) is counted from the same
+bookkeeping without the per-position map: its cost follows the cold pages, not the history.
 """
 from __future__ import annotations
 
@@ -112,6 +114,40 @@ def memory_map(layers: list[LayerKV], prefill: ColdSource, fed: int, positions: 
         states[layer].scatter_(1, store.positions.cpu(), DEVICE)
     on_device = states == DEVICE
     return MemoryMap(states, readmitted & on_device, demoted & ~on_device & (states != EVICTED), fed)
+
+
+def map_summary(layers: list[LayerKV], prefill: ColdSource, fed: int, positions: int) -> dict[str, int]:
+    """``memory_map(...).summary()``, counted without the map: device slots from the stores' lengths,
+    cold ones by their pages' tiers, the last turn's moves from its records (one selection per layer
+    a turn: what it promoted is on the device, what it demoted is cold)."""
+    heads = layers[0].positions.shape[0] if layers else 0
+    n = max(positions, fed)
+    counts = dict.fromkeys(STATES, 0)
+    readmitted = demoted = 0
+    tier_state = {IN_HOST: "host", IN_REDIS: "redis", NOWHERE: "lost"}
+    for layer, store in enumerate(layers):
+        counts["device"] += store.length * heads
+        cold = prefill.cold_residency(layer)
+        if cold is None:
+            continue
+        for head in range(heads):
+            for code, state in tier_state.items():
+                counts[state] += int((cold.tiers[head] == code).sum())
+            readmitted += int(cold.promoted[head].numel())
+            demoted += int(cold.demoted[head].numel())
+    slots = len(layers) * heads
+    counts["unfed"] = (n - fed) * slots
+    counts["evicted"] = fed * slots - counts["device"] - counts["host"] - counts["redis"] - counts["lost"]
+    return {"layers": len(layers), "kv_heads": heads, "positions": n, **counts,
+            "readmitted": readmitted, "demoted": demoted}
+
+
+def parked_summary(layers: int, heads: int, fed: int, positions: int, in_redis: bool) -> dict[str, int]:
+    """``parked_map(...).summary()``, counted without the map."""
+    n, slots = max(positions, fed), layers * heads
+    stored = fed if in_redis else 0
+    return {"layers": layers, "kv_heads": heads, "positions": n, **dict.fromkeys(STATES, 0),
+            "redis": stored * slots, "unfed": (n - stored) * slots, "readmitted": 0, "demoted": 0}
 
 
 def parked_map(layers: int, heads: int, fed: int, positions: int, in_redis: bool) -> MemoryMap:

@@ -8,7 +8,18 @@ import torch
 
 from cache_drive import SPEC, three_turns
 from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
-from rocketkv_mt.cache.memory_map import DEVICE, EVICTED, HOST, REDIS, STATES, UNFED, ranges, runs
+from rocketkv_mt.cache.memory_map import (
+    DEVICE,
+    EVICTED,
+    HOST,
+    REDIS,
+    STATES,
+    UNFED,
+    parked_map,
+    parked_summary,
+    ranges,
+    runs,
+)
 from rocketkv_mt.config import RocketKVConfig
 from tiers.host import HostTier
 from tiers.redis_client import RedisClient
@@ -65,6 +76,7 @@ def test_a_tiered_map_matches_the_cache_in_all_three_tiers(redis_tier):
             assert torch.equal(torch.nonzero(row == REDIS).flatten(), torch.cat(in_redis).sort().values)
             assert bool((row[cache.history_len :] == UNFED).all()) and not bool((row == EVICTED).any())
     summary = mm.summary()
+    assert cache.map_summary(n) == summary  # counted without the map, the same figures
     assert summary["device"] > 0 and summary["host"] > 0 and summary["redis"] > 0
     assert summary["device"] + summary["host"] + summary["redis"] + summary["unfed"] == mm.states.numel()
     # The last turn's re-admissions are the cache's own count of promoted slots, and all on the device.
@@ -90,6 +102,7 @@ def test_the_wire_form_round_trips_and_a_new_turn_forgets_the_last_ones_moves():
     cache.begin_forward(1, prefill=True, max_new=1)  # a new turn begins: nothing moved by it yet
     after = cache.memory_map(cache.history_len)
     assert after.summary()["readmitted"] == 0 and after.summary()["demoted"] == 0
+    assert cache.map_summary(cache.history_len) == after.summary()
     cache.release()
 
 
@@ -98,11 +111,14 @@ def test_the_wire_form_round_trips_and_a_new_turn_forgets_the_last_ones_moves():
 def test_modes_without_cold_tiers_are_device_and_evicted(mode, kept_all):
     cache = make_cache(mode, SPEC, ROCKET)
     three_turns(cache, seed=5)
-    summary = cache.memory_map(cache.history_len).summary()
+    summary = cache.memory_map(cache.history_len + 2).summary()
+    assert cache.map_summary(cache.history_len + 2) == summary
     slots = SPEC.num_layers * SPEC.num_kv_heads
+    assert summary["unfed"] == 2 * slots
     assert summary["host"] == summary["redis"] == summary["readmitted"] == summary["demoted"] == 0
     assert summary["device"] == sum(store.length for store in cache.layers) * SPEC.num_kv_heads
     assert summary["evicted"] == (0 if kept_all else slots * cache.history_len - summary["device"])
+    assert summary["positions"] == cache.history_len + 2
     assert kept_all or summary["evicted"] > 0
 
 
@@ -111,3 +127,9 @@ def test_runs_and_ranges():
     assert runs(torch.tensor([], dtype=torch.uint8)) == []
     assert ranges(torch.tensor([True, False, True, True, False, True])) == [0, 1, 2, 2, 5, 1]
     assert ranges(torch.zeros(4, dtype=torch.bool)) == []
+
+
+def test_a_parked_sessions_summary_is_its_maps():
+    for in_redis in (True, False):
+        assert parked_summary(3, 2, 10, 14, in_redis) == parked_map(3, 2, 10, 14, in_redis).summary()
+    assert parked_summary(3, 2, 10, 14, True)["redis"] == 60 and parked_summary(3, 2, 10, 14, False)["unfed"] == 84
