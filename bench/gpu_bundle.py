@@ -38,6 +38,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from bench.provenance import commit
+
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT_MIB = 60
 # Distributions the check imports that the image lacks or has at a version this project cannot use:
@@ -126,6 +128,8 @@ def build(out: Path) -> dict:
             server.chmod(0o755)
     run = {"command": "bash bench/gpu_run.sh", "carry": [out.name], "timeout_s": RUN_TIMEOUT_S}
     (out / "run.txt").write_text(json.dumps(run) + "\n")
+    # The tree travels without .git: the results name the commit the bundle was made at.
+    (out / "commit.txt").write_text((commit() or "") + "\n")
     return run
 
 

@@ -1,7 +1,7 @@
 """The GPU check: one prepared run of everything that needs a GPU, under 8 minutes on one H200.
 
     python -m bench.gpu_check [--out results/gpu] [--contexts 32k,128k] [--batches 1,8] [--redis-url URL]
-                              [--budget-s 420] [--quick] [--estimate]
+                              [--budget-s 450] [--quick] [--estimate]
 
 On a lent machine it runs as ``bash bench/gpu_run.sh`` with the bundle of ``make gpu-bundle``
 carried (README: GPU check): the image's Python and torch, a few wheels, no network. So it and what
@@ -14,16 +14,20 @@ failing or running out of time loses nothing before it; e2e is rewritten after e
 
 1. ``e2e``: ``bench e2e`` at the given contexts and batches, full against rocketkv and tiered, on a
    random-weight Llama-3.1-8B in bf16;
-2. ``kernel_tests``: the Triton kernel tests compiled for CUDA (``TRITON_INTERPRET=0``, not the
+2. ``prefill_peak``: ``bench prefill-peak`` at the longest context on the same shapes: the session's
+   device peak while a first turn of ``full``, ``rocketkv`` and ``tiered`` is fed layer by layer (as
+   the engine feeds it: flash attention per group of rows, no score matrix), beside its admission
+   bound and the allocator's peak with the prefill's scratch;
+3. ``kernel_tests``: the Triton kernel tests compiled for CUDA (``TRITON_INTERPRET=0``, not the
    interpreter), in a subprocess: tests/algorithm/test_kernels.py, test_prefill_attention.py,
    test_decode_batch.py (``-m kernel``);
-3. ``tiered_redis``: a 3-turn conversation of a tiered session on a random-weight model of the
+4. ``tiered_redis``: a 3-turn conversation of a tiered session on a random-weight model of the
    bundled SmolLM2-135M's shapes (the byte tokenizer of ``bench.byte_tokenizer``) on this device,
    persisted to Redis after every turn (a private ``redis-server`` or ``valkey-server`` on a free
    port when none answers at ``--redis-url``; skipped, with the reason, when neither is possible);
-4. ``h2d``: host-to-device copy bandwidth from pinned memory (the host tier's pool) and, for
+5. ``h2d``: host-to-device copy bandwidth from pinned memory (the host tier's pool) and, for
    comparison, from pageable memory;
-5. ``ops``: ``bench ops`` on this device: torch ops and kernel launches per decode step per layer at
+6. ``ops``: ``bench ops`` on this device: torch ops and kernel launches per decode step per layer at
    1, 4 and 16 sessions, batched and per session.
 
 A part is not started once its estimate (``bench.gpu_estimate``) no longer fits in ``--budget-s``:
@@ -53,7 +57,7 @@ import torch
 from app.engine.engine import Engine
 from app.engine.sampling import SamplingParams
 from app.settings import Settings
-from bench import decode_ops, gpu_estimate
+from bench import decode_ops, gpu_estimate, prefill_peak
 from bench import e2e as bench_e2e
 from bench.common import fit_words, write_json
 from bench.haystack import filler_text
@@ -77,7 +81,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=os.environ.get("RKV_REDIS_URL") or "redis://127.0.0.1:6379/15",
                    help="Redis of the tiered conversation (a private redis-server is started if it does not answer)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and short contexts (what a CPU can run)")
-    p.add_argument("--budget-s", type=float, default=420.0,
+    p.add_argument("--budget-s", type=float, default=450.0,
                    help="start no part whose estimate no longer fits in this many seconds from the start")
     p.add_argument("--estimate", action="store_true", help="print the estimated wall time of each part and exit")
     p.add_argument("--chip", choices=sorted(gpu_estimate.CHIPS), default=None,
@@ -158,6 +162,22 @@ def e2e(args) -> dict:
     return result
 
 
+def _peak_args(args, on_gpu: bool | None = None) -> argparse.Namespace:
+    """bench prefill-peak's arguments: the longest e2e context on its shapes, 4096-row groups on a GPU."""
+    ns = _e2e_args(args, on_gpu)
+    quick = ns.shapes.startswith("tiny")
+    return argparse.Namespace(context=max(bench_e2e.parse_tokens(ns.contexts)), budget=ns.budget, modes=ns.modes,
+                              model=None, shapes=ns.shapes, device=None, rows=64 if quick else 4096, max_tokens=ns.max_new,
+                              json_out=None)
+
+
+def prefill_peaks(args) -> dict:
+    result = prefill_peak.run(_peak_args(args))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
 def estimates(args) -> dict:
     """Seconds each part should take (``bench.gpu_estimate``) on ``--chip``, else on this device; all
     0 for a quick run or without CUDA. With ``--estimate``, e2e's pieces are given too."""
@@ -169,8 +189,11 @@ def estimates(args) -> dict:
     e2e_parts = gpu_estimate.e2e_s(parse_shapes(ns.shapes), bench_e2e.parse_tokens(ns.contexts),
                                    [int(b) for b in ns.batches.split(",")], ns.modes.split(","), ns.budget, ns.steps,
                                    ns.rounds, ns.warmup, gpu_estimate.CHIPS[chip])
+    peak = _peak_args(args, on_gpu=True)
+    peak_s = gpu_estimate.first_turns_s(parse_shapes(peak.shapes), peak.context, len(peak.modes.split(",")),
+                                        gpu_estimate.CHIPS[chip])
     pieces = {f"  e2e {k}": v for k, v in e2e_parts.items() if k != "total"} if args.estimate else {}
-    return {**gpu_estimate.check_s(e2e_parts), **pieces}
+    return {**gpu_estimate.check_s(e2e_parts, peak_s), **pieces}
 
 
 def _free_port() -> int:
@@ -256,7 +279,8 @@ def tiered_redis(args) -> dict:
 
 
 # Most important first: a run cut short keeps the headline figures.
-PARTS = {"e2e": e2e, "kernel_tests": kernel_tests, "tiered_redis": tiered_redis, "h2d": h2d, "ops": ops}
+PARTS = {"e2e": e2e, "prefill_peak": prefill_peaks, "kernel_tests": kernel_tests, "tiered_redis": tiered_redis,
+         "h2d": h2d, "ops": ops}
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -286,6 +310,10 @@ def _headline(name: str, result: dict) -> str:
         ) + " per layer"
     if name == "e2e":
         return "; ".join(f"{mode} {', '.join(f'{k}: {v:.2f}x' for k, v in by.items())}" for mode, by in result["speedups"].items())
+    if name == "prefill_peak":
+        return f"{result['context']} tokens: " + ", ".join(
+            f"{mode} {r['peak_session_bytes'] / GIB:.2f} GiB (bound {r['admission_bound_bytes'] / GIB:.2f}, "
+            f"with scratch {r['peak_with_scratch_bytes'] / GIB:.2f})" for mode, r in result["modes"].items())
     ttft = ", ".join(f"{t['ttft_ms']:.0f}" for t in result["turns"])
     return f"3 turns, TTFT {ttft} ms, Redis {result['redis_session_bytes_after_turn_3'] / 1e6:.2f} MB"
 

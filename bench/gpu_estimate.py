@@ -76,7 +76,12 @@ def e2e_s(shapes: dict, contexts: list[int], batches: list[int], modes: list[str
     return pieces
 
 
-def check_s(e2e: dict) -> dict:
-    """Every part of the check: e2e's arithmetic and the other parts' allowances."""
-    parts = {"e2e": e2e["total"], **ALLOWANCE_S}
+def first_turns_s(shapes: dict, tokens: int, modes: int, chip: dict) -> float:
+    """The prefill-peak part: one first turn of ``tokens`` per mode, a new random model first."""
+    return ASSUMED["startup_s"] + modes * prefill_s(shapes, tokens, chip)
+
+
+def check_s(e2e: dict, prefill_peak_s: float) -> dict:
+    """Every part of the check: e2e's and prefill-peak's arithmetic, the other parts' allowances."""
+    parts = {"e2e": e2e["total"], "prefill_peak": prefill_peak_s, **ALLOWANCE_S}
     return {**parts, "total": sum(parts.values())}

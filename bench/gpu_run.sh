@@ -29,6 +29,8 @@ $PIP install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --tar
   || { echo "gpu run: installing the bundle's wheels failed" >&2; exit 4; }
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
+# The tree came without .git: results name the commit the bundle was made at (bench/provenance.py).
+if [ -s "$BUNDLE/commit.txt" ]; then export RKV_SOURCE_COMMIT="$(cat "$BUNDLE/commit.txt")"; fi
 if [ -x "$BUNDLE/bin/valkey-server" ]; then export RKV_REDIS_SERVER="$(cd "$BUNDLE/bin" && pwd)/valkey-server"; fi
 
 # Whatever the image and the bundle lack shows here, by name, before any part starts.

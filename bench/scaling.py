@@ -18,6 +18,7 @@ conversations, with the last one's third-turn TTFT (``--quiet``: none).
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from app.engine.sampling import SamplingParams
 from app.progress import progress
@@ -59,31 +60,11 @@ async def conversation(engine, mode: str, budget: int, first: str, params: Sampl
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    """``--plot``: the figure ``bench plot`` draws of this result."""
+    from bench.plot import render
+    from bench.results import Result
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    lengths = [row["history_tokens"] for row in result["lengths"]]
-    for mode in result["modes"]:
-        rows = [row["modes"][mode] for row in result["lengths"]]
-        axes[0].plot(lengths, [r["turn3"]["ttft_ms"] for r in rows], marker="o", label=mode)
-        axes[1].plot(lengths, [r["turn1"]["ttft_ms"] / 1000 for r in rows], marker="o", label=mode)
-        axes[2].plot(lengths, [r["turn3"]["bytes_read"] / 2**20 for r in rows], marker="o", label=mode)
-    axes[2].plot(lengths, [row["history_kv_bytes"] / 2**20 for row in result["lengths"]], "k--",
-                 label="history's whole KV")
-    titles = ["turn 3: time to first token (ms)", "turn 1: time to first token (s)",
-              "turn 3: bytes read from cold tiers (MiB)"]
-    for ax, title in zip(axes, titles):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("history tokens at turn 3")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    axes[2].legend(fontsize=8)
-    fig.suptitle(f"{result['model']}, budget {result['token_budget']}, {result['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    render(Result(Path(path), result), Path(path))
 
 
 async def run(args) -> dict:

@@ -1,4 +1,4 @@
-"""``rocketkv-mt bench serve --stall``: how long a long first message stalls the replies that other
+"""``rocketkv-mt bench serve --stall``: how long a long message stalls the replies that other
 sessions are streaming, against a running server.
 
 S WebSocket sessions (``--sessions``, 8 here by default) each ask for a long reply
@@ -18,6 +18,11 @@ client's arrival times of the S streams' deltas:
 Also reported: the long message's time to first token and prompt tokens (from its ``done``), the
 p95 of the gaps during its prefill, and the server's batching counters over the run (prefill
 chunks and steps). Then the streams are cancelled and closed.
+
+``--stall-turn K`` (default 1) sends the long message as the K-th turn of its session instead: before
+the streams start, that session gets a first message of about ``--stall-history`` tokens and K - 2
+short questions, so a ``tiered`` session (budget below that history) has cold pages when the long
+message arrives, as a pasted document in a running conversation does.
 """
 from __future__ import annotations
 
@@ -75,23 +80,35 @@ class Stream:
         return [(a, b) for a, b in zip(self.times, self.times[1:]) if b > start and a < stop]
 
 
-async def long_first_message(url: str, args) -> dict:
-    """A new session's first message of about ``--stall-tokens`` tokens; its send and first-delta times."""
-    text = filler_text(int(args.stall_tokens / TOKENS_PER_WORD), seed=7) + CONTEXT_QUESTION
-    async with open_session(url, args) as ws:
-        session = Session(ws, args)
-        await session.create()
-        sent = time.perf_counter()
-        await ws.send(json.dumps({"type": "message", "content": text, "max_tokens": 8, "temperature": 0.0}))
-        first = None
-        while True:
-            event = await session.recv()
-            if event["type"] == "delta" and first is None:
-                first = time.perf_counter()
-            elif event["type"] == "done":
-                return {"sent": sent, "first": first or time.perf_counter(), "usage": event["usage"]}
-            elif event["type"] == "error":
-                raise RuntimeError(f"{event.get('code')}: {event.get('message')}")
+async def send(session: Session, text: str, max_tokens: int) -> dict:
+    """One turn of ``session``: its send and first-delta times and its ``done`` usage."""
+    sent = time.perf_counter()
+    await session.ws.send(json.dumps({"type": "message", "content": text, "max_tokens": max_tokens,
+                                      "temperature": 0.0}))
+    first = None
+    while True:
+        event = await session.recv()
+        if event["type"] == "delta" and first is None:
+            first = time.perf_counter()
+        elif event["type"] == "done":
+            return {"sent": sent, "first": first or time.perf_counter(), "usage": event["usage"]}
+        elif event["type"] == "error":
+            raise RuntimeError(f"{event.get('code')}: {event.get('message')}")
+
+
+async def history(session: Session, args) -> list[int]:
+    """The turns before the long message (``--stall-turn`` - 1 of them): a first message of about
+    ``--stall-history`` tokens, then short questions; the prompt tokens of each."""
+    turns = []
+    for k in range(args.stall_turn - 1):
+        text = (filler_text(int(args.stall_history / TOKENS_PER_WORD), seed=11) + CONTEXT_QUESTION if k == 0
+                else "Say in one sentence what the last paragraph was about.")
+        turns.append((await send(session, text, 16))["usage"]["prompt_tokens"])
+    return turns
+
+
+def long_text(args) -> str:
+    return filler_text(int(args.stall_tokens / TOKENS_PER_WORD), seed=7) + CONTEXT_QUESTION
 
 
 async def stall(url: str, args) -> dict:
@@ -103,6 +120,9 @@ async def stall(url: str, args) -> dict:
 
 async def _stall(url: str, args, bar) -> dict:
     async with contextlib.AsyncExitStack() as stack:
+        asking = Session(await stack.enter_async_context(open_session(url, args)), args)
+        await asking.create()
+        earlier = await history(asking, args)  # before the streams: their baseline sees none of it
         sockets = [await stack.enter_async_context(open_session(url, args)) for _ in range(args.sessions)]
         streams = [Stream(ws, args, i) for i, ws in enumerate(sockets)]
         tasks = [asyncio.create_task(s.run()) for s in streams]
@@ -117,7 +137,7 @@ async def _stall(url: str, args, bar) -> dict:
             bar.set_postfix_str(f"the long message ({args.stall_tokens} tokens) in prefill")
             bar.update()
             before = await server_stats(url, args)
-            long = await long_first_message(url, args)
+            long = await send(asking, long_text(args), 8)
             bar.set_postfix_str(f"first token after {long['first'] - long['sent']:.1f} s")
             bar.update()
             after = await server_stats(url, args)
@@ -134,7 +154,8 @@ async def _stall(url: str, args, bar) -> dict:
     longest = sorted((b - a, a) for s in streams for a, b in s.timed_gaps(sent, first))[-5:]
     p95_before = pct([g * 1000 for g in baseline], 0.95)
     max_pause = round(max(during) * 1000, 1) if during else None
-    counters = ("batch_steps", "batch_prefill_chunks", "batch_prefills", "batch_mixed_steps", "batch_decode_tokens")
+    counters = ("batch_steps", "batch_prefill_chunks", "batch_layered_slices", "batch_prefills", "batch_mixed_steps",
+                "batch_decode_tokens")
     return {
         "gap_before_p95_ms": p95_before,
         "max_pause_ms": max_pause,
@@ -144,7 +165,9 @@ async def _stall(url: str, args, bar) -> dict:
         "baseline_gaps": len(baseline),
         "gaps_during": len(during),
         "streams_ended_during_prefill": sum(1 for s in streams if s.ended is not None and s.ended < first),
-        "long_message": {"prompt_tokens": long["usage"]["prompt_tokens"], "ttft_s": round(first - sent, 2)},
+        "long_message": {"turn": args.stall_turn, "prompt_tokens": long["usage"]["prompt_tokens"],
+                         "prefilled_tokens": long["usage"].get("prefilled_tokens"), "ttft_s": round(first - sent, 2),
+                         "earlier_prompt_tokens": earlier},
         "server_during_prefill": {k: after.get(k, 0) - before.get(k, 0) for k in counters if k in after},
         "errors": [s.error for s in streams if s.error],
     }

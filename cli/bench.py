@@ -67,11 +67,15 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY` when the server needs one")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time phase")
     p.add_argument("--stall", action="store_true",
-                   help="instead: the sessions stream long replies, then a long first message arrives in one more "
-                   "session; reports the p95 gap between streamed tokens before it and the longest pause while it "
+                   help="instead: the sessions stream long replies, then a long message arrives in one more "
+                   "session (its first turn, or --stall-turn); reports the p95 gap between streamed tokens before it and the longest pause while it "
                    "is prefilled (bench/serve_stall.py)")
     p.add_argument("--stall-tokens", type=int, default=7000, help="--stall: tokens of the long first message")
     p.add_argument("--stall-reply-tokens", type=int, default=2048, help="--stall: max tokens of the streamed replies")
+    p.add_argument("--stall-turn", type=int, default=1,
+                   help="--stall: the long message is this turn of its session (earlier ones: --stall-history)")
+    p.add_argument("--stall-history", type=int, default=1500,
+                   help="--stall: tokens of that session's first message when the long one is a later turn")
     p.add_argument("--stall-baseline", type=float, default=20.0,
                    help="--stall: seconds of streaming measured before the long message is sent")
     p.add_argument("--json", dest="json_out", default=None)
@@ -101,6 +105,19 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar (there is none where stderr is not a terminal)")
     p.set_defaults(func=_run("bench.capacity"))
 
+    p = bench.add_parser("prefill-peak", help="a long first turn's device peak per mode, fed layer by layer: "
+                         "session KV/KT, its admission bound and the prefill's scratch")
+    p.add_argument("--context", type=int, default=8000)
+    p.add_argument("--budget", type=int, default=256, help="RocketKV token budget")
+    p.add_argument("--modes", default="full,rocketkv,tiered")
+    p.add_argument("--model", default=None, help="a bundled model's name (default: the server's)")
+    p.add_argument("--shapes", default=None, help="instead: a random-weight model of these shapes (bench.random_model)")
+    p.add_argument("--device", default=None, help="with --shapes: cpu or cuda (default: cuda where there is one)")
+    p.add_argument("--rows", type=int, default=0, help="rows per group (default: RKV_PREFILL_CHUNK)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens the turn would generate (its bound counts them)")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run("bench.prefill_peak"))
+
     p = bench.add_parser("ttft", help="time to first token of a later turn: stateful session vs stateless re-prefill")
     p.add_argument("--context", type=int, default=4000, help="tokens of history before the measured turn")
     p.add_argument("--turn", type=int, default=4, help="the measured turn (its history is the turns before it)")
@@ -127,6 +144,22 @@ def add_bench_parser(sub) -> None:
     add_history_swap_parser(bench)
     add_fidelity_parser(bench)
     add_gpu_parsers(bench)
+    add_report_parsers(bench)
+
+
+def add_report_parsers(bench) -> None:
+    from bench.report import DOC
+    from bench.results import RESULTS
+
+    p = bench.add_parser("plot", help="draw result files (eval, decode, scaling, capacity, serve) as PNG figures")
+    p.add_argument("results", nargs="+", metavar="RESULT.json", help="result files written by a bench's --json")
+    p.add_argument("--out", required=True, help="folder of the figures, one <folder>-<stem>.png per result file")
+    p.set_defaults(func=_run("bench.plot"))
+
+    p = bench.add_parser("report", help="write docs/benchmarks.md and its figures from the result files")
+    p.add_argument("--results", default=str(RESULTS), help="the result files' folder, one subfolder per benchmark")
+    p.add_argument("--out", default=str(DOC), help="the page to write; its figures go to a folder named after it")
+    p.set_defaults(func=_run("bench.report"))
 
 
 def add_gpu_parsers(bench) -> None:

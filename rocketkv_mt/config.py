@@ -44,7 +44,7 @@ class BudgetSplit:
 
 
 class RocketKVConfig(BaseModel):
-    """The paper's split of one token budget t (DESIGN §2); any derived field may be set explicitly.
+    """The paper's split of one token budget t (docs/design.md, "The budget split"); any derived field may be set explicitly.
 
     With S = prompt length + max new tokens and c = S / t:
     alpha = min(0.2 + 0.06 log2 c, 0.8); capacity = S / c^alpha (at least min(2 max_new, S));

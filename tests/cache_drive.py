@@ -40,6 +40,25 @@ def forward(cache, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     return outs
 
 
+def forward_layered(cache, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, max_new: int = 0,
+                    rows: int = 32, on_group=None) -> list[torch.Tensor]:
+    """A first prompt fed layer by layer, as ``app.engine.layer_prefill`` feeds it: each layer's rows in
+    groups of ``rows``, ``on_group(cache)`` after each. Returns each layer's output (1, n, HQ, d)."""
+    n = inputs[0][0].shape[2]
+    cache.begin_layered(n, max_new)
+    outs = []
+    for layer, (q, k, v) in enumerate(inputs):
+        parts = []
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            parts.append(cache.attend(layer, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], SCALING))
+            if on_group is not None:
+                on_group(cache)
+        outs.append(torch.cat(parts, dim=1))
+    cache.end_layered()
+    return outs
+
+
 def layer_inputs(gen: torch.Generator, n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     return [random_qkv(gen, n) for _ in range(SPEC.num_layers)]
 

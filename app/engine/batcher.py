@@ -28,6 +28,14 @@ wait for carries the whole history's selection at once. With nothing else to run
 Between two chunks, the turn's ``PrefillGate`` is checked and the caller's cancellation seen: a
 stopped prefill takes its chunks back (``SessionCache.undo_chunks``), leaving the cache as before.
 
+A session's first prompt longer than ``prefill_chunk`` is fed layer by layer instead
+(``app.engine.layer_prefill``), so its cache never holds the whole prompt in every layer: not a
+segment of a step but slices of work between steps, each running groups of one layer's rows until
+about half a decode-only step's time has passed (a quarter second when nobody decodes), with the
+groups sized on what a row cost. Several such prefills take slices in turn, so two long prompts
+advance together, each holding one layer of itself at a time; between two slices its gate is
+checked as between chunks, and a stopped one is taken back (``SessionCache.undo_layered``).
+
 Before a step, the thread waits briefly (a fraction of the last step's time) until every session
 in its decode phase has asked for its next token, so that they stay in one batch rather than
 drifting into two; a session whose consumer is slow only costs that short wait. An idle engine's first
@@ -54,6 +62,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from app.engine.layer_prefill import LayerPrefill, layered
 from app.engine.model_runner import ModelRunner, Segment
 from app.engine.sampling import Sampler, sample_batch
 from app.engine.steps import (
@@ -83,6 +92,7 @@ SELECT_MIN_S = 0.005
 MIN_CHUNK = 4  # fewest prefill tokens a chunk fed beside decode tokens carries
 DECODE_WINDOW = 9  # decode-only steps whose median is the reference step time
 TOKEN_EMA = 0.5  # weight of the newest chunk in a chunked prefill's running cost per token
+ALONE_SLICE_S = 0.25  # a slice of a prefill fed layer by layer while nobody decodes (new turns get in between)
 
 
 class EngineClosed(RuntimeError):
@@ -114,6 +124,7 @@ class Batcher:
         self._decodes: list[Request] = []
         self._selecting: list[Request] = []  # decodes held back while their cache's selection runs (model thread)
         self._unselected: list[SessionCache] = []  # caches past a chunked prefill, selection not done (model thread)
+        self._layered: deque[Request] = deque()  # prefills fed layer by layer, the next to get a slice first
         self._finish_first = False  # run those selections before the next step (model thread)
         self._decoding = 0  # sessions between their prefill and the end of their turn
         self._last_step_s = 0.0
@@ -145,12 +156,13 @@ class Batcher:
     ) -> int:
         """Feed a turn's new tokens; returns the token drawn after the last one.
 
-        Fed in chunks, it checks ``gate`` between two of them: when the check raises, or the caller
-        is cancelled, the chunks are taken back (``gate.undone``) and this raises that exception
-        (or the cancellation)."""
-        return await self._request(
-            Request(key, cache, list(ids), prefill=True, max_new=max_new, gate=gate, sampler=sampler)
-        )
+        Fed in chunks or layer by layer, it checks ``gate`` between two of them: when the check
+        raises, or the caller is cancelled, the prefill is taken back (``gate.undone``) and this
+        raises that exception (or the cancellation)."""
+        req = Request(key, cache, list(ids), prefill=True, max_new=max_new, gate=gate, sampler=sampler)
+        # Read while the session's turn holds its cache: no step touches it before this request runs.
+        by_layer = layered(cache.history_len, len(ids), self.prefill_chunk) and cache.last_chunk_min() is not None
+        return await self._request(req, by_layer)
 
     async def decode(self, key: str, cache: SessionCache, token: int, sampler: Sampler) -> int:
         """Feed one generated token; returns the next one."""
@@ -168,11 +180,11 @@ class Batcher:
                 self._decoding -= 1
                 self._cond.notify()
 
-    async def _request(self, req: Request) -> int:
+    async def _request(self, req: Request, by_layer: bool = False) -> int:
         with self._cond:
             if self._closed:
                 raise EngineClosed("the engine is closed")
-            (self._prefills.append if req.prefill else self._decodes.append)(req)
+            (self._layered.append if by_layer else self._prefills.append if req.prefill else self._decodes.append)(req)
             self._cond.notify()
         return await _wait(req.future, req)
 
@@ -191,11 +203,12 @@ class Batcher:
         job_turn = True
         while True:
             with self._cond:
-                while not (self._jobs or self._prefills or self._decodes or self._selecting or self._closed):
+                while not (self._jobs or self._prefills or self._decodes or self._selecting or self._layered
+                           or self._closed):
                     self._cond.wait()
                 if self._closed:
                     break
-                steps_waiting = bool(self._prefills or self._decodes or self._selecting)
+                steps_waiting = bool(self._prefills or self._decodes or self._selecting or self._layered)
                 if self._jobs and (job_turn or not steps_waiting):
                     job = self._jobs.popleft()
                     job_turn = False
@@ -204,6 +217,10 @@ class Batcher:
                     job_turn = True
                     self._gather()
                     batch = self._take()
+                    by_layer = self._layered[0] if self._layered else None
+                    if by_layer is not None:
+                        self._layered.rotate(-1)  # the next one gets the next slice
+                    others = bool(batch or self._decodes or self._selecting or self._decoding)
             if job is not None:
                 self._run_job(*job)
                 continue
@@ -216,6 +233,8 @@ class Batcher:
                 self._select_slice()
             if batch:
                 self._run_step(batch)
+            if by_layer is not None:
+                self._layered_slice(by_layer, others)
         self._fail_pending()
 
     def _gather(self) -> None:
@@ -297,10 +316,50 @@ class Batcher:
         self.stats.selection_slices += 1
         self.stats.busy_s += time.perf_counter() - t0
 
+    def _layered_slice(self, req: Request, others: bool) -> None:
+        """Model thread: a slice of a prefill fed layer by layer (started here on its first slice); at
+        its end, its first token is drawn and handed over."""
+        if self._stopped(req):
+            return
+        t0 = time.perf_counter()
+        slice_s = (max(SELECT_MIN_S, SELECT_FRACTION * (self._decode.value or self._last_step_s)) if others
+                   else ALONE_SLICE_S)
+        first_layer = req.plan.layer if req.plan is not None else 0
+        try:
+            if req.plan is None:
+                req.plan = LayerPrefill(self.runner.model, req.cache, req.ids, req.max_new, self.step_tokens)
+            fed = req.plan.advance(t0 + slice_s)
+            token = None
+            if req.plan.done:
+                logits = req.plan.finish()
+                token = sample_batch(logits.unsqueeze(0), [req.sampler])[0]
+        except BaseException as exc:  # noqa: BLE001 - that session fails alone; its cache is rebuilt
+            log.warning("a prefill fed layer by layer failed: %r", exc)
+            self.stats.failed_segments += 1
+            self._fail(req, exc)
+            return
+        finally:
+            self.stats.layered_slices += 1
+            self.stats.busy_s += time.perf_counter() - t0
+        last_layer = req.plan.layer - (req.plan.offset == 0)
+        if self.step_log is not None:
+            self.step_log.add(StepRecord(fed, 1, 0, time.perf_counter() - t0, (req.key, first_layer, last_layer)))
+        self.stats.prefill_tokens += fed
+        if token is not None:
+            self.stats.prefills += 1
+            with self._cond:
+                self._layered.remove(req)
+            req.future.set_result(token)
+        if self.on_step is not None:
+            try:
+                self.on_step([req.key])  # the cache's size after the slice: the peak, and an outgrown bound
+            except Exception:  # noqa: BLE001 - accounting must not break serving
+                log.exception("step accounting failed")
+
     def _stopped(self, req: Request) -> bool:
-        """Model thread, before a chunk that continues a prefill: stop it there if its turn asks to
-        (``gate.check`` raises) or its caller is gone; its chunks are taken back."""
-        if not req.prefill or req.fed == 0:
+        """Model thread, before a chunk (or a slice) that continues a prefill: stop it there if its turn
+        asks to (``gate.check`` raises) or its caller is gone; what it fed is taken back."""
+        if not req.prefill or (req.fed == 0 and req.plan is None):
             return False
         try:
             if req.abandoned:
@@ -311,7 +370,7 @@ class Batcher:
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             reason: BaseException = exc
         try:
-            req.cache.undo_chunks()
+            req.cache.undo_layered() if req.plan is not None else req.cache.undo_chunks()
         except Exception as exc:  # noqa: BLE001 - the cache is half-undone: it fails as a cache failure does
             reason = exc
         else:
@@ -338,6 +397,8 @@ class Batcher:
         with self._cond:
             if req in self._prefills:
                 self._prefills.remove(req)
+            if req in self._layered:
+                self._layered.remove(req)
         req.future.set_exception(exc)
 
     def _run_step(self, batch: list[tuple[Request, Segment]]) -> None:
@@ -412,8 +473,10 @@ class Batcher:
 
     def _fail_pending(self) -> None:
         with self._cond:
-            pending = [r.future for r in [*self._prefills, *self._decodes, *self._selecting]] + [f for _, f in self._jobs]
+            pending = [r.future for r in [*self._prefills, *self._decodes, *self._selecting, *self._layered]]
+            pending += [f for _, f in self._jobs]
             self._prefills.clear()
+            self._layered.clear()
             self._decodes.clear()
             self._selecting.clear()
             self._unselected.clear()

@@ -11,6 +11,8 @@ mode declares its own (``rocketkv_mt.cache.CacheMode.device_bound``), so nothing
 A prefill fed in chunks holds more than that while it is fed (its new tokens sit in every layer
 until the last chunk compresses them): the difference is the turn's ``chunking`` extra; the
 batcher feeds one prefill in chunks at a time, so only the largest of these extras is committed.
+A first prompt is fed layer by layer instead (``app.engine.layer_prefill``): one layer of it at a
+time, as a whole prefill holds it, so it has no such extra and several may run at once.
 Actual totals are taken after every model step (``observe``); ``overruns`` counts sessions found
 above their reservation (a bound that does not hold; expected to stay 0).
 """
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
+from app.engine.layer_prefill import layered
 from rocketkv_mt.cache import CacheSpec, TierPolicy, TurnSize, cache_mode
 
 if TYPE_CHECKING:
@@ -67,7 +70,8 @@ class DeviceMemory:
         m = max(0, min(max_new, total - 1))
         return TurnSize(
             fed=fed, kept=kept, new=n, total=total, decode=m, split=session.rocket.split(total, m, self.head_dim),
-            token_bytes=self.per_token, layer_bytes=self.per_layer_token, chunked=0 < prefill_chunk < n,
+            token_bytes=self.per_token, layer_bytes=self.per_layer_token,
+            chunked=0 < prefill_chunk < n and not layered(fed, n, prefill_chunk),
             cold_pages=cold_pages,
         )
 

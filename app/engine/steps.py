@@ -52,6 +52,7 @@ class Request:
     token_s: float | None = None  # a prefill in chunks: seconds per token of its chunks (running)
     last_chunk: int = 0  # a prefill in chunks: tokens of its last chunk
     abandoned: bool = False  # the caller was cancelled: a prefill in chunks stops at the next boundary
+    plan: Any = None  # a prefill fed layer by layer: its ``LayerPrefill`` once started (model thread)
 
     def segment(self, n: int) -> Segment:
         """The next ``n`` tokens as one step's segment."""
@@ -127,12 +128,14 @@ class RecentMedian:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One model step: its prefill tokens and segments (chunks included), decode tokens, and seconds."""
+    """One model step: its prefill tokens and segments (chunks included), decode tokens, and seconds;
+    for a slice of a prefill fed layer by layer, its session and the layers it ran (first, last)."""
 
     prefill_tokens: int
     prefills: int
     decodes: int
     seconds: float
+    layered: tuple[str, int, int] | None = None
 
 
 class StepLog:
@@ -170,6 +173,7 @@ class BatchStats:
     mixed_steps: int = 0  # steps that carried a prefill together with decode tokens
     jobs: int = 0
     selection_slices: int = 0  # slices of a chunked prefill's deferred selection run between steps
+    layered_slices: int = 0  # slices of prefills fed layer by layer run between steps
     failed_segments: int = 0  # segments whose cache raised (only that session failed)
     failed_steps: int = 0  # forwards that raised outside the caches (every segment failed)
     busy_s: float = 0.0  # time spent in steps and jobs

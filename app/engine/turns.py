@@ -2,8 +2,9 @@
 
 ``chat`` validates a turn, admits it within the device budget and returns the async iterator of its
 events (``TextDelta``s, then one ``TurnDone``); ``_run_turn`` is that iterator. A turn stopped
-between two chunks of its prefill (``_between_chunks``, or its caller gone) is undone: the session
-is as it was before it, its feed log included. A mixin of ``Engine``
+between two chunks of its prefill, or two slices of a first prompt fed layer by layer
+(``_between_chunks``, or its caller gone), is undone: the session is as it was before it, its feed
+log included. A mixin of ``Engine``
 (``app.engine.engine``), working on the engine's state named below.
 """
 from __future__ import annotations
@@ -216,8 +217,8 @@ class TurnLoop:
         yield self._done_event(session, stats, detok.text)
 
     def _between_chunks(self, session: Session) -> None:
-        """Model thread, between two chunks of a turn's prefill: a cancel ends the turn there, and so
-        does a cache found past the device memory reserved for its turn (the bound did not hold)."""
+        """Model thread, between two chunks (or slices) of a turn's prefill: a cancel ends the turn there,
+        and so does a cache found past the device memory reserved for its turn (the bound did not hold)."""
         if session.cancel_requested:
             raise TurnCancelled("cancelled while the message was prefilled")
         mem = self.memory_account

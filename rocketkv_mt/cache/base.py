@@ -60,6 +60,11 @@ class SessionCache(Protocol):
     after the last chunk, layer by layer (``select_pending``), whenever the engine finds time
     between steps, and at the latest when the layer next steps: the first token comes from the
     last chunk, and the other sessions' steps are not held up by the whole history's selection.
+
+    A first prompt may instead be fed layer by layer (``begin_layered`` .. ``end_layered``): the
+    model runs each layer over the whole prompt, in groups of rows, before the next, and each layer
+    selects after its last group, so only the running layer holds the whole prompt. The result is a
+    whole prefill's; ``undo_layered`` takes it back (the cache is empty again).
     """
 
     mode: str
@@ -77,6 +82,19 @@ class SessionCache(Protocol):
         ...
 
     def end_forward(self) -> None: ...
+
+    def begin_layered(self, n_new: int, max_new: int = 0) -> None:
+        """Start feeding an empty cache's first prompt of ``n_new`` tokens layer by layer: ``attend``
+        then takes each layer's rows in groups, in order, and selects after the layer's last one."""
+        ...
+
+    def end_layered(self) -> None:
+        """Every layer has had the whole prompt: the prefill ends as a whole one does."""
+        ...
+
+    def undo_layered(self) -> None:
+        """Take back a prefill fed layer by layer, between two groups: the cache is empty again."""
+        ...
 
     def last_chunk_min(self) -> int | None:
         """Fewest tokens the last forward of a chunked prefill must feed, or None when this cache's next

@@ -9,6 +9,13 @@ the window's are at hand after the last chunk however short it is;
 the prefill policy then selects from the layer's store with them (``PrefillPolicy.select``, the
 selection a whole prefill makes) later, layer by layer: in ``select_pending`` between the engine's
 steps, or before the layer's next step at the latest.
+
+A first turn may instead be fed layer by layer (``begin_layered``, ``app.engine.layer_prefill``): the
+model runs one layer over the whole prompt, in groups of query rows, before the next layer. Each
+group's keys and values join the layer's store and its queries attend densely over it (exactly what
+the whole prefill's rows attend to); after the layer's last group the prefill policy selects at once,
+with the layer's window queries, so a layer holds its whole prompt only while it is the one running.
+``undo_layered`` takes such a prefill back: the cache is empty again, as before it.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ class ComposedCache:
     def __init__(self, mode: CacheMode, spec: CacheSpec, rocket: RocketKVConfig | None = None,
                  tiers: TierContext | None = None):
         self.mode = mode.name
+        self._mode, self._tiers = mode, tiers  # to start afresh (``undo_layered``)
         self.spec = spec
         self.rocket = rocket or RocketKVConfig()
         self.layers = [
@@ -52,6 +60,8 @@ class ComposedCache:
         # While it is under way: layer -> the last (up to w) queries its chunks have had so far, so that
         # the last chunk may be shorter than the window.
         self._window_tail: dict[int, torch.Tensor] = {}
+        # While a prefill fed layer by layer is under way: per layer, the prompt's tokens it has had so far.
+        self._layered: list[int] | None = None
         self.decode = mode.decode(spec)
         self.prefill = mode.prefill(self, tiers)
 
@@ -80,6 +90,44 @@ class ComposedCache:
         if self.step.prefill and not self.step.rest:
             self._chunked_from = None
         self.step = None
+
+    def begin_layered(self, n_new: int, max_new: int = 0) -> None:
+        """Start a first turn's prefill of ``n_new`` tokens fed layer by layer: from now until
+        ``end_layered``, ``attend`` takes each layer's rows in groups (any number of tokens, in order)."""
+        if self.history_len or self.step is not None or not self.prefill.chunkable():
+            raise RuntimeError("only an empty cache whose prefill may be split is fed layer by layer")
+        self.begin_forward(n_new, prefill=True, max_new=max_new)
+        self._layered = [0] * self.spec.num_layers
+
+    def layered_fed(self, layer: int) -> int:
+        """Tokens of the prefill fed layer by layer that ``layer`` has had so far."""
+        return self._layered[layer] if self._layered is not None else 0
+
+    def end_layered(self) -> None:
+        """Every layer has had the whole prompt (and selected): the prefill ends as a whole one does."""
+        assert self.step is not None and self._layered is not None
+        short = [i for i, fed in enumerate(self._layered) if fed != self.step.n_new]
+        if short:
+            raise RuntimeError(f"layers {short} have not had the whole prompt")
+        self._layered = None
+        self.end_forward()
+
+    @torch.inference_mode()
+    def undo_layered(self) -> None:
+        """Take back a prefill fed layer by layer (between two groups): the cache starts afresh, empty,
+        as it was before that first turn; what earlier layers demoted to the cold tiers is freed."""
+        if self._layered is None:
+            return
+        self.prefill.release()
+        self.layers = [
+            LayerKV(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, self.spec.device)
+            for _ in range(self.spec.num_layers)
+        ]
+        self._layered, self.step, self.split, self.history_len, self.readmitted = None, None, None, 0, 0
+        self._window_tail.clear()
+        self.traffic.reset()
+        self.decode = self._mode.decode(self.spec)
+        self.prefill = self._mode.prefill(self, self._tiers)
 
     def last_chunk_min(self) -> int | None:
         # The window's queries are gathered across chunks (``_window_tail``): a last chunk of one token will do.
@@ -123,6 +171,7 @@ class ComposedCache:
         self.prefill.end_turn()
 
     def release(self) -> None:
+        self._layered = None
         self._unselected.clear()
         self._window_tail.clear()
         self.prefill.release()
@@ -156,6 +205,8 @@ class ComposedCache:
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """q (Hq, n, d); k, v (Hkv, n, d) -> (Hq, n, d)."""
+        if self._layered is not None:
+            return self._layered_attend(layer, q, k, v, scaling)
         if layer in self._unselected:
             self._select(layer)
         self.prefill.before_step(layer)
@@ -174,6 +225,29 @@ class ComposedCache:
                 return out
             return self.prefill_attention(layer, q, scaling)
         return self.decode_attention(layer, q, scaling)
+
+    def _layered_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scaling: float) -> torch.Tensor:
+        """A group of a layer's prompt rows, fed layer by layer: q (Hq, n, d) attend densely over all the
+        layer holds with their keys; after the layer's last group it selects, with its window queries."""
+        fed, n, total = self._layered[layer], k.shape[1], self.step.n_new
+        if fed + n > total:
+            raise ValueError(f"layer {layer}: {fed + n} of a {total}-token prompt fed")
+        store = self.layers[layer]
+        if fed == 0:
+            store.reserve(store.length + total)  # the layer's prompt, in place: no copy as it grows
+        start = self.history_len + fed
+        store.append(k, v, torch.arange(start, start + n, device=self.spec.device))
+        out = dense_attention(q, store.keys, store.values, scaling)
+        before = self._window_tail.pop(layer, None)
+        tail = q if before is None or n >= self.split.window_size else torch.cat([before, q], dim=1)
+        tail = self.split.window_of(tail).clone()
+        self._layered[layer] = fed + n
+        if fed + n < total:
+            self._window_tail[layer] = tail
+        else:
+            self.prefill.select(layer, tail, scaling)
+        return out
 
     def prefill_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """A turn's new queries (Hq, n, d) attend, then the prefill policy selects."""

@@ -1,6 +1,7 @@
 """``bench serve --stall`` against an in-process server: sessions stream long replies while a long
-first message arrives; with chunked prefill they keep streaming through its prefill, and the bench
-reports the gaps before, the longest pause during it and their ratio."""
+message arrives (a first message, fed layer by layer, or a third turn, fed in chunks); they keep
+streaming through its prefill, and the bench reports the gaps before, the longest pause during it
+and their ratio."""
 import argparse
 
 import pytest
@@ -11,21 +12,28 @@ from bench.serve_stall import run
 pytestmark = pytest.mark.slow
 
 
-async def test_streams_go_on_while_a_long_message_is_prefilled_in_chunks(loaded):
+@pytest.mark.parametrize("turn", [1, 3])
+async def test_streams_go_on_while_a_long_message_is_prefilled(loaded, turn):
     args = argparse.Namespace(
         sessions=2, stall_tokens=400, stall_reply_tokens=600, stall_baseline=2.0, mode="rocketkv", budget=64,
-        api_key=None, json_out=None, quiet=False,
+        api_key=None, json_out=None, stall_turn=turn, stall_history=120, quiet=False,
     )
     with local_server(loaded, prefill_chunk=32) as server:
         args.url = server.url
         result = await run(args)
     assert result["errors"] == [] and result["streams_ended_during_prefill"] == 0
     long = result["long_message"]
-    assert long["prompt_tokens"] > 350
-    chunks = result["server_during_prefill"]["batch_prefill_chunks"]
-    assert chunks >= long["prompt_tokens"] // 32 - 2
-    # Both streams got tokens between the chunks: many gaps during the prefill, not one long pause each.
-    assert result["gaps_during"] >= chunks
+    assert long["turn"] == turn and len(long["earlier_prompt_tokens"]) == turn - 1
+    assert long["prefilled_tokens"] > 350
+    during = result["server_during_prefill"]
+    if turn == 1:  # a first message: fed layer by layer, in slices between the streams' steps
+        pieces = during["batch_layered_slices"]
+        assert during["batch_prefill_chunks"] == 0 and pieces >= 30
+    else:  # a later one: in chunks of at most 32 tokens
+        pieces = during["batch_prefill_chunks"]
+        assert during["batch_layered_slices"] == 0 and pieces >= long["prefilled_tokens"] // 32 - 2
+    # Both streams got tokens between the pieces: many gaps during the prefill, not one long pause each.
+    assert result["gaps_during"] >= pieces // 2
     assert result["gap_before_p95_ms"] > 0 and result["baseline_gaps"] > 4
     assert result["max_pause_ms"] >= result["gaps_during_p95_ms"]
     assert result["ratio"] == pytest.approx(result["max_pause_ms"] / result["gap_before_p95_ms"], rel=0.01)

@@ -1,7 +1,8 @@
-"""Chunked prefill (``RKV_PREFILL_CHUNK``): a long prefill runs as several steps that also carry the
-other sessions' decode tokens; every mode gives the same tokens and the same cache as a whole
-prefill; stopped between two chunks (a cancel, a disconnect, a device-memory refusal), the session
-is exactly as it was before the turn."""
+"""Chunked prefill (``RKV_PREFILL_CHUNK``): a long later prefill runs as several steps that also carry
+the other sessions' decode tokens (a long first prompt is fed layer by layer instead:
+tests/engine/test_layered_prefill.py); every mode gives the same tokens and the same cache as a
+whole prefill; stopped between two chunks (a cancel, a disconnect, a device-memory refusal), the
+session is exactly as it was before the turn."""
 import asyncio
 from collections import deque
 
@@ -13,27 +14,16 @@ from app.engine.errors import DeviceMemoryExhausted
 from app.engine.events import TextDelta, TurnDone
 from app.engine.sampling import SamplingParams
 from app.engine.steps import RecentMedian, Request, chunk_budget, take
-from bench.common import fit_words
-from bench.haystack import filler_text
+import turn_helpers
+from turn_helpers import message, reply_ids
 
 CHUNK = 64
 MODES = ["full", "snapkv", "rocketkv", "rocketkv-mt", "tiered"]
 PARAMS = SamplingParams(max_tokens=10)
 
 
-def message(engine, seed: int, words: int) -> str:
-    return fit_words(engine.tokenizer, filler_text(words, seed=seed), words) + "\n\nWhat is this text about?"
-
-
 async def run_turn(engine, sid: str, text: str, params: SamplingParams = PARAMS) -> TurnDone:
-    async for event in await engine.chat(sid, text, params):
-        if isinstance(event, TurnDone):
-            return event
-
-
-def reply_ids(session, done: TurnDone) -> list[int]:
-    start = done.usage.prompt_tokens
-    return session.token_ids[start : start + done.usage.generated_tokens]
+    return await turn_helpers.run_turn(engine, sid, text, params)
 
 
 def by_position(layer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,10 +143,11 @@ async def test_chunked_prefill_gives_the_tokens_and_cache_of_a_whole_one(make_en
         overruns.append(engine.memory_account.overruns)
         stats = engine.batcher.stats
         if chunk:
-            # The first turn was fed in 5 steps; later turns too, except tiered's (it then reads cold pages).
-            assert stats.prefill_chunks == (4 if mode == "tiered" else 5)
+            # The first turn was fed layer by layer; the second in 2 chunks, except tiered's (it then reads
+            # cold pages, and is fed whole).
+            assert stats.prefill_chunks == (0 if mode == "tiered" else 1) and stats.layered_slices >= 1
         else:
-            assert stats.prefill_chunks == 0
+            assert stats.prefill_chunks == 0 and stats.layered_slices == 0
     assert overruns[1] <= overruns[0]  # the chunks stayed within what their turns reserved
     (whole, whole_cache, whole_keys), (chunked, chunked_cache, chunked_keys) = results
     assert chunked == whole
@@ -191,6 +182,7 @@ async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine,
     for e in (alone_engine, engine):
         sessions = [e.create_session(mode="rocketkv", budget=64) for _ in range(2)]
         first = message(e, 3, 40)
+        await run_turn(e, sessions[1].id, message(e, 6, 20))  # b's long message is a later turn: chunked
         alone.append((sessions, first))
     sessions, first = alone[0]
     a_done = await run_turn(alone_engine, sessions[0].id, first, long_reply)
@@ -252,6 +244,8 @@ async def test_a_chunked_prefill_starts_only_after_the_one_before_it_has_selecte
     monkeypatch.setattr(batcher_module, "SELECT_MIN_S", 0.0)
     engine = make_engine(prefill_chunk=CHUNK)
     a, b, c = (engine.create_session(mode="rocketkv", budget=64) for _ in range(3))
+    for session in (b, c):  # their long messages are later turns: chunked
+        await run_turn(engine, session.id, message(engine, 6, 20))
     seen = []  # b's unselected layers when each of c's chunks ran
     run_step = engine.runner.step
 
@@ -283,8 +277,11 @@ async def test_a_chunked_prefill_starts_only_after_the_one_before_it_has_selecte
 async def test_chunked_prefills_share_one_extra_in_the_device_budget(make_engine):
     """Prefills are fed in chunks one at a time, so two turns that arrive together need their bounds
     plus one chunking extra (every new token in every layer until the last chunk), not two."""
-    engine = make_engine(prefill_chunk=CHUNK, device_budget_bytes=1)
+    engine = make_engine(prefill_chunk=CHUNK)
     a, b = (engine.create_session(mode="rocketkv", budget=64) for _ in range(2))
+    for session in (a, b):  # their long messages are later turns: chunked
+        await run_turn(engine, session.id, message(engine, 6, 20))
+    engine.memory_account.budget = 1
     texts = [message(engine, 8, 230), message(engine, 9, 230)]
     mem = engine.memory_account
     needs, extras = [], []

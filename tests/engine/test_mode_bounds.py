@@ -6,7 +6,8 @@ import torch
 
 from app.engine.memory import DeviceMemory
 from app.engine.session import Session
-from cache_drive import SPEC, forward, layer_inputs, tier_context
+from app.engine.layer_prefill import layered
+from cache_drive import SPEC, forward, forward_layered, layer_inputs, tier_context
 from rocketkv_mt.cache import CACHE_MODES, TierPolicy, cache_mode, make_cache
 from rocketkv_mt.config import RocketKVConfig
 
@@ -29,9 +30,10 @@ def run_turn(
     memory: DeviceMemory, session: Session, gen: torch.Generator, n_new: int, max_new: int, chunk: int = 0
 ) -> tuple[int, int, int, int]:
     """One turn as the engine runs it (the last generated token is fed by the next turn's prefill), its
-    prefill fed in chunks of ``chunk`` tokens where the cache allows it, the last one keeping at least
-    a window (as ``app.engine.steps.piece`` splits it); returns (the mode's declared bound, the memory
-    model's bound, the peak device bytes seen, the chunks fed before the last)."""
+    prefill fed where the cache allows it layer by layer in groups of ``chunk`` rows (a first prompt
+    longer than ``chunk``), else in chunks of ``chunk`` tokens, the last one keeping at least a window
+    (as ``app.engine.steps.piece`` splits it); returns (the mode's declared bound, the memory model's
+    bound, the peak device bytes seen, the chunks or groups fed before the last)."""
     cache = session.cache
     turn = memory.turn_size(session, n_new, max_new, prefill_chunk=chunk)
     declared = cache_mode(session.mode).device_bound(turn, memory.tiers)
@@ -44,11 +46,15 @@ def run_turn(
 
     fed = len(session.token_ids) - cache.history_len
     last, chunks = cache.last_chunk_min(), 0
+    if last is not None and layered(cache.history_len, fed, chunk):
+        forward_layered(cache, layer_inputs(gen, fed), max_new=max_new, rows=chunk, on_group=measure)
+        chunks, fed = SPEC.num_layers * -(-fed // chunk) - 1, 0
     while chunk and last is not None and fed > chunk and min(chunk, fed - last) > 0:
         n = min(chunk, fed - last)
         forward(cache, layer_inputs(gen, n), prefill=True, max_new=max_new, on_layer=measure, rest=fed - n)
         fed, chunks = fed - n, chunks + 1
-    forward(cache, layer_inputs(gen, fed), prefill=True, max_new=max_new, on_layer=measure)
+    if fed:
+        forward(cache, layer_inputs(gen, fed), prefill=True, max_new=max_new, on_layer=measure)
     session.token_ids.append(1)
     for _ in range(max_new - 1):
         forward(cache, layer_inputs(gen, 1), prefill=False, on_layer=measure)
@@ -75,8 +81,8 @@ def test_the_declared_bound_holds_at_every_step(mode, tiers, budget, chunk):
         chunks += fed_in_chunks
         memory.set_held(session.id, session.cache.device_bytes())
     assert memory.overruns == 0
-    # A long first turn is chunked (nothing is cold yet), except where the new tokens attend only to
-    # the selection their window makes.
+    # A long first turn is fed layer by layer (nothing is cold yet), except where the new tokens attend
+    # only to the selection their window makes.
     assert (chunks > 0) == (chunk > 0 and tiers != "selected")
     session.cache.release()
 

@@ -1,7 +1,7 @@
 """Re-select over the device and the cold tiers (``tiered``): the device holds only the primary set;
 every other token of the history is cold, in the host tier or Redis. Each turn, layer by layer,
 Stage 1 scores the history with the new window: selected cold tokens are promoted (re-admitted),
-unselected primary tokens are demoted (DESIGN §3).
+unselected primary tokens are demoted (docs/design.md, "The multi-turn rule" and "A turn, step by step").
 
 Which cold tokens a turn scores is the ``reselect`` policy: ``exhaustive`` reads every cold page;
 ``digest`` ranks the cold pages by their key bounds (``rocketkv_mt.cold_select``) and reads only the

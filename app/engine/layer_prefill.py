@@ -1,0 +1,109 @@
+"""A long first turn's prefill fed layer by layer, so a session's device memory never holds its whole
+prompt in every layer at once.
+
+The model runs one decoder layer over the whole prompt, in groups of ``rows`` query rows, before the
+next layer; the prompt's hidden states (1, n, hidden) are carried from layer to layer, each group's
+output written over its input (a later group of the same layer needs only the keys and values the
+cache holds). The cache (``ComposedCache.begin_layered``) appends each group's keys and values to
+the layer's store, attends the group densely over it and, after the layer's last group, runs the
+mode's selection at once (Stage 1 with the layer's real observation window; evicted or demoted
+tokens leave the device). The result is the whole prefill's, exactly: every row attends to what it
+would have, and each layer selects from the same inputs. While it runs, a layer holds at most its
+own whole prompt, the layers before it their selections, and the layers after it nothing new.
+
+``advance`` does groups until a deadline, so the model thread can run other sessions' decode steps
+between two calls (``app.engine.batcher``); with a deadline, a group is sized on what the rows
+before it cost (a row's cost grows along a layer, with the keys it attends to), between ``MIN_ROWS``
+and ``rows``. ``finish`` gives the first token's logits. Between two calls the prefill can be taken
+back (``SessionCache.undo_layered``).
+
+The model is a transformers decoder with Llama's layout (``model.embed_tokens``, ``rotary_emb``,
+``layers``, ``norm``, ``lm_head``): Llama, Qwen2 and the bundled models.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rocketkv_mt.cache import SessionCache
+
+MIN_ROWS = 4  # fewest rows a group sized on a deadline carries
+ROW_EMA = 0.5  # weight of the newest group in the running cost of a row
+
+def layered(history_len: int, n_new: int, prefill_chunk: int) -> bool:
+    """Whether a prefill is fed layer by layer: a session's first (or rebuilt) prompt longer than one
+    step's ``prefill_chunk`` (a cache that cannot split its prefill feeds it whole instead)."""
+    return history_len == 0 and 0 < prefill_chunk < n_new
+
+
+class LayerPrefill:
+    """One prompt fed layer by layer into ``cache`` (which must be empty) by ``model``."""
+
+    def __init__(self, model: torch.nn.Module, cache: SessionCache, ids: list[int], max_new: int, rows: int):
+        if rows < 1:
+            raise ValueError("a group has at least one row")
+        self.model, self.cache, self.rows = model, cache, rows
+        self.n = len(ids)
+        self.layer, self.offset = 0, 0  # the next group: its layer and first row
+        self.row_s: float | None = None  # running cost of a row (seconds), to size groups on a deadline
+        inner = model.model
+        device = inner.embed_tokens.weight.device
+        cache.begin_layered(self.n, max_new)
+        self.position_ids = cache.positions(self.n).unsqueeze(0)
+        self.hidden = inner.embed_tokens(torch.tensor([ids], dtype=torch.long, device=device))
+        self.cos, self.sin = inner.rotary_emb(self.hidden, position_ids=self.position_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.layer == len(self.model.model.layers)
+
+    @torch.inference_mode()
+    def advance(self, deadline: float | None = None) -> int:
+        """Feed groups, at least one, until every layer has had the prompt or ``time.perf_counter()``
+        passes ``deadline`` (None: to the end); returns the rows fed."""
+        fed = 0
+        while not self.done:
+            fed += self.feed_group(self._group(deadline, time.perf_counter()))
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        return fed
+
+    @torch.inference_mode()
+    def feed_group(self, rows: int | None = None) -> int:
+        """One group: the running layer over its next ``rows`` rows (default ``rows``); returns the rows fed."""
+        t0 = time.perf_counter()
+        a = self.offset
+        b = min(a + (rows or self.rows), self.n)
+        self.hidden[:, a:b] = self.model.model.layers[self.layer](
+            self.hidden[:, a:b], attention_mask=None, position_ids=self.position_ids[:, a:b],
+            position_embeddings=(self.cos[:, a:b], self.sin[:, a:b]), rkv_cache=self.cache,
+        )
+        self.layer, self.offset = (self.layer + 1, 0) if b == self.n else (self.layer, b)
+        row_s = (time.perf_counter() - t0) / (b - a)
+        self.row_s = row_s if self.row_s is None else (1 - ROW_EMA) * self.row_s + ROW_EMA * row_s
+        return b - a
+
+    def _group(self, deadline: float | None, now: float) -> int:
+        """Rows of the next group: ``rows``, or with a deadline as many as fit before it at the running
+        cost of a row (``MIN_ROWS`` while that is not known yet)."""
+        if deadline is None:
+            return self.rows
+        if self.row_s is None:
+            return min(self.rows, MIN_ROWS)
+        return max(MIN_ROWS, min(self.rows, int((deadline - now) / self.row_s)))
+
+    @torch.inference_mode()
+    def finish(self) -> torch.Tensor:
+        """After the last layer: the cache's prefill ends; the last position's logits (V,) in float32."""
+        if not self.done:
+            raise RuntimeError("the prompt has not been through every layer")
+        self.cache.end_layered()
+        last = self.model.model.norm(self.hidden[:, -1:])
+        logits = self.model.lm_head(last)[0, -1].float()
+        self.hidden = self.cos = self.sin = None  # the prompt's activations are not held past the prefill
+        return logits
+
+    def scratch_bytes(self) -> int:
+        """Bytes this prefill holds besides the cache: the prompt's hidden states and rotary tables."""
+        return sum(t.numel() * t.element_size() for t in (self.hidden, self.cos, self.sin) if t is not None)

@@ -1,0 +1,315 @@
+"""``rocketkv-mt bench report``: ``docs/benchmarks.md`` and its figures, from the result files.
+
+One section per benchmark folder of ``results/``; under it, one part per result file with the command
+that produced it, the machine it ran on, the commit of the code, a table of its figures and, where
+``bench plot`` draws one, its figure (``docs/benchmarks/<folder>-<stem>.png``). The page holds
+nothing the files do not, so regenerating it from the same files gives the same text; what changed
+and when lives in git.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.plot import plottable, render
+from bench.results import RESULTS, ROOT, Result, folder, shipped
+
+DOC = ROOT / "docs" / "benchmarks.md"
+
+# What each benchmark measures, in a sentence or two, by folder.
+ABOUT = {
+    "eval": "Multi-turn recall (`rocketkv-mt eval`): conversations whose first message hides four facts in "
+            "filler, then one question per turn about another fact; greedy replies, correct when they hold "
+            "the fact. Accuracy per turn shows what each mode forgets as the conversation goes on.",
+    "needle": "Single-turn pass-key retrieval (`rocketkv-mt bench needle`): a 5-digit key hidden at several "
+              "depths of a long prompt; correct when the reply holds it.",
+    "fidelity": "Teacher-forced agreement with full attention (`rocketkv-mt bench fidelity`): every variant "
+                "reads `full`'s own greedy transcript and is scored at each reply position by top-1 agreement "
+                "with `full`'s token and by mean KL(full || variant). Smaller differences show here than in "
+                "`eval`'s counts.",
+    "history-swap": "One turn answered in each mode on top of each mode's own earlier replies "
+                    "(`rocketkv-mt bench history-swap`): recall lost at that turn against recall inherited "
+                    "from earlier, differently worded replies.",
+    "scaling": "What a turn costs as the history grows (`rocketkv-mt bench scaling`): three turns per "
+               "conversation; turn 3's time to first token, the bytes it read back from the cold tiers and "
+               "the device bytes, per mode. Times are medians over the repeated conversations.",
+    "decode": "Decode speed and device memory on one long context (`rocketkv-mt bench decode`): ms per "
+              "generated token for the whole model and for attention alone, modes alternating.",
+    "capacity": "Sessions one replica keeps on its device (`rocketkv-mt bench capacity`): sessions with a "
+                "long first message are admitted by the engine's own admission control, one by one, until "
+                "it refuses one; parking is off.",
+    "ttft": "Time to first token of a later turn (`rocketkv-mt bench ttft`): a stateful session against "
+            "the same conversation re-prefilled from scratch, as a stateless server would.",
+    "serve": "A running server under load (`rocketkv-mt bench serve`). Load runs: concurrent WebSocket "
+             "sessions send a context message, then short turns, then the same conversations run one at a "
+             "time; the speed-up is the short turns' tokens/s concurrent over one at a time. Stall runs "
+             "(`--stall`): sessions stream long replies, then a long first message arrives in one more "
+             "session; the ratio is the longest pause a stream saw while it was prefilled over the 95th "
+             "percentile gap between tokens before it.",
+    "rounds": "The load bench's conversations in one process with every model step recorded "
+              "(`rocketkv-mt bench rounds`): each round of concurrent short turns as its prefill and decode "
+              "steps, beside a turn alone.",
+    "hsa": "One layer's Hybrid Sparse Attention decode step on synthetic tensors (`rocketkv-mt bench hsa`): "
+           "the native C kernel, the torch path and dense attention, in microseconds per call; with "
+           "`--sessions`, the batched step of that many sessions, each layer with cold buffers of its own.",
+    "linear": "A float32 linear layer on CPU (`rocketkv-mt bench linear`): `nn.Linear` (the BLAS torch was "
+              "built with) against oneDNN's product over weights packed once, as `RKV_CPU_LINEAR=onednn` "
+              "serves them.",
+    "ops": "Torch ops, kernel launches and native calls per decode step and layer (`rocketkv-mt bench ops`, "
+           "torch profiler): the batched step (`auto`) against one call per session (`torch`).",
+    "gpu": "The GPU check (`bench/gpu_check.py`, see the README's GPU check section).",
+}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _ms(n: float) -> str:
+    return f"{n:,.1f} ms"
+
+
+def _cell(value) -> str:
+    """A table cell: a pipe or a line break inside a value (an error message) would break the row."""
+    return " ".join(str(value).split()).replace("|", "\\|")
+
+
+def _table(head: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _eval(d: dict) -> list[str]:
+    rows = [[f"`{mode}`", f"{m['correct']} / {m['total']}", " / ".join(f"{a:.3g}" for a in m["per_turn_accuracy"]),
+             _mb(m["peak_device_kv_bytes"]), f"{m['mean_turn_latency_ms'] / 1000:.1f} s"]
+            for mode, m in d["modes"].items()]
+    lines = [f"`{d['tasks']}`, {d['conversations']} conversations, budget {d['budget']}.", ""]
+    return lines + _table(["mode", "correct", "accuracy per turn", "peak device KV", "mean turn latency"], rows)
+
+
+def _needle(d: dict) -> list[str]:
+    lengths = list(d["per_length"])
+    rows = [[f"`{mode}`", f"{m['correct']} / {m['total']}", " / ".join(str(d["per_length"][n][mode]) for n in lengths)]
+            for mode, m in d["modes"].items()]
+    lines = [f"{d['cases']} cases, budget {d['budget']}, Stage-1 kernel {d['kernel_size']}.", ""]
+    return lines + _table(["mode", "correct", f"per length ({' / '.join(lengths)} tokens)"], rows)
+
+
+def _fidelity(d: dict) -> list[str]:
+    rows = []
+    for name, v in d["variants"].items():
+        changed = {**v.get("rocket", {}), **v.get("settings", {})}
+        rows.append([name, f"`{v['mode']}`", ", ".join(f"`{k}={x}`" for k, x in changed.items()) or "defaults",
+                     v["positions"], f"{v['top1_agreement']:.4f}", f"{v['mean_kl']:.4f}"])
+    lines = [f"`{d['tasks']}`, first {d['conversations']} conversations, budget {d['budget']}.", ""]
+    return lines + _table(["variant", "mode", "changed", "positions", "top-1 agreement", "mean KL"], rows)
+
+
+def _history_swap(d: dict) -> list[str]:
+    n = len(d["conversations"])
+    rows = [[pair.replace("/", ", "), f"{c} / {n}"] for pair, c in d["correct"].items()]
+    lines = [f"`{d['tasks']}`, turn {d['turn']} answered, budget {d['budget']}.", ""]
+    return lines + _table(["history, answer", "correct"], rows)
+
+
+def _scaling(d: dict) -> list[str]:
+    rows = []
+    for length in d["lengths"]:
+        history = length["history_kv_bytes"]
+        for mode, m in length["modes"].items():
+            t1, t3 = m["turn1"], m["turn3"]
+            read = t3["bytes_read"]
+            rows.append([f"{length['history_tokens']:,}", f"`{mode}`", _ms(t3["ttft_ms"]), t3.get("ttft_vs_full", "–"),
+                         _mb(read) if read else "0", f"{read / history:.1%}" if read else "–",
+                         t1.get("ttft_vs_full", "–"), _mb(t3["device_bytes"])])
+    lines = [f"`{d['model']}` on {d['device']}, budget {d['token_budget']}, {d['max_tokens']} tokens a reply, "
+             f"medians of {d['repeats']} conversation(s).", ""]
+    return lines + _table(["history at turn 3", "mode", "turn 3 first token", "vs full", "turn 3 bytes read",
+                           "of the history's KV", "turn 1 first token vs full", "device bytes"], rows)
+
+
+def _decode(d: dict) -> list[str]:
+    s = d["split"]
+    rows = [[f"`{mode}`", m["decode_ms_per_token"], m["attention_ms_per_token"], _mb(m["device_kv_bytes"]),
+             m["device_tokens_per_head"]] for mode, m in d["modes"].items()]
+    lines = [f"Context {d['context']:,} tokens, budget {d['budget']}, {d['decode_tokens_per_mode']} decode tokens a "
+             f"mode; split: prompt budget {s['prompt_budget']}, page {s['page_size']}, top-r {s['topr']}, "
+             f"top-k {s['topk']}.", ""]
+    return lines + _table(["mode", "decode ms/token", "attention ms/token", "device KV", "tokens per KV head"], rows)
+
+
+def _capacity(d: dict) -> list[str]:
+    rows = [[f"`{mode}`", m["sessions"], _mb(m["device_bytes_per_session"]), f"{m['device_tokens_per_session']:,}",
+             _mb(m["admission_bound_bytes"])] for mode, m in d["modes"].items()]
+    lines = [f"{d['context']:,}-token histories, device budget {_mb(d['device_budget'])}, token budget "
+             f"{d['token_budget']}.", ""]
+    return lines + _table(["mode", "sessions resident", "device bytes a session", "tokens per KV head on device",
+                           "admission bound a turn"], rows)
+
+
+def _ttft(d: dict) -> list[str]:
+    st = d["stateful"]
+    rows = [[f"stateful `{d['mode']}`", _ms(st["ttft_ms"]), st["prefilled_tokens"], "1"]]
+    rows += [[f"stateless `{mode}`", _ms(m["ttft_ms"]), m["prefilled_tokens"], f"{d['speedup'][mode]}x"]
+             for mode, m in d["stateless"].items()]
+    lines = [f"Turn {d['turn']} over a {d['history_tokens']:,}-token history, budget {d['token_budget']}.", ""]
+    return lines + _table(["session", "first token", "tokens prefilled", "stateful is faster by"], rows)
+
+
+def _serve(d: dict) -> list[str]:
+    if "stall_tokens" in d:
+        return _stall(d)
+    rows = []
+    for label, key, rate in (("concurrent", "concurrent", d["aggregate_tokens_per_s"]),
+                             ("one at a time", "sequential", d["sequential_tokens_per_s"])):
+        p = d[key]
+        rows.append([label, p["turns"], f"{rate:.2f}", f"{_ms(p['latency_ms']['p50'])} / {_ms(p['latency_ms']['p95'])}",
+                     f"{_ms(p['ttft_ms']['p50'])} / {_ms(p['ttft_ms']['p95'])}", f"{p['wall_s']:.1f} s"])
+    ctx = d.get("with_context", {})
+    lines = [f"{d['sessions']} sessions, ~{d['context']}-token context messages, then {d['turns']} turns of "
+             f"{d['max_tokens']} tokens; mode: {d['mode']}. Speed-up **{d['speedup']}x**"
+             + (f" ({ctx['speedup']}x counting the context messages)" if ctx else "")
+             + f"; {d['errors']} errors; peak device bytes {_mb(d['peak_device_bytes'])} of a "
+             f"{_mb(d['device_budget_bytes'])} budget.", ""]
+    return lines + _table(["short turns", "turns", "tokens/s", "turn latency p50 / p95", "first token p50 / p95",
+                           "wall"], rows)
+
+
+def _stall(d: dict) -> list[str]:
+    long = d["long_message"]
+    rows = [[_ms(d["gap_before_p95_ms"]), _ms(d["max_pause_ms"]), f"**{d['ratio']}x**", _ms(d["gaps_during_p95_ms"]),
+             f"{long['prompt_tokens']:,} tokens, first token at {long['ttft_s']:.1f} s"]]
+    lines = [f"Stall: {d['sessions']} sessions stream replies of up to {d['reply_tokens']} tokens; mode: {d['mode']}.",
+             ""]
+    return lines + _table(["p95 gap before", "longest pause", "ratio", "p95 gap during", "the long message"], rows)
+
+
+def _rounds(d: dict) -> list[str]:
+    phases = [("context messages", d["context_phase"])]
+    phases += [(f"round {i}", r) for i, r in enumerate(d["rounds"], 1)]
+    phases += [(f"a turn alone ({i})", r) for i, r in enumerate(d["alone"], 1)]
+    rows = [[label, p["turns"], f"{p['wall_s']:.2f} s", f"{p['prefill_steps']} / {p['prefill_s']:.2f} s",
+             p["decode_steps"], _ms(p["decode_step_ms_median"]), p["mean_decode_batch"]] for label, p in phases]
+    lines = [f"{d['sessions']} sessions, ~{d['context']}-token contexts, {d['max_tokens']} tokens a turn, mode "
+             f"`{d['mode']}`; ratio **{d['ratio']}x** (16 turns alone over a round).", ""]
+    return lines + _table(["phase", "turns", "wall", "prefill steps / time", "decode steps", "decode step median",
+                           "mean decode batch"], rows)
+
+
+def _hsa(d: dict) -> list[str]:
+    s = d["shapes"]
+    rows = [[f"`{name}`", us, "1" if name == "native" else f"{d['ratios'].get(f'{name}/native', '–')}x"]
+            for name, us in d["us_per_call"].items()]
+    lines = [f"{s['kv_heads']} KV heads x {s['group']} query heads, head dim {s['head_dim']}, {s['kept']} kept tokens "
+             f"(dense context {s['context']}), page {s['page_size']}, top-r {s['topr']}, top-k {s['topk']}.", ""]
+    lines += _table(["backend", "µs per call", "over native"], rows)
+    if "batched" in d:
+        b = d["batched"]
+        lines += ["", f"Batched native step, {b['sessions']} sessions x {b['layers']} layers: {_ms(b['step_ms'])} a "
+                  f"step, **{b['us_per_session_layer']} µs** a session and layer."]
+    return lines
+
+
+def _linear(d: dict) -> list[str]:
+    rows = [[f"{r['out']} x {r['in']}", r["rows"], r["us"]["torch"], r["us"]["onednn"], f"{r['torch_over_onednn']}x"]
+            for r in d["results"]]
+    lines = [f"{d['threads']} thread(s), {d['rounds']} rounds.", ""]
+    return lines + _table(["out x in", "rows", "`nn.Linear` µs", "oneDNN µs", "nn.Linear / oneDNN"], rows)
+
+
+def _ops(d: dict) -> list[str]:
+    rows = [[f"`{kernels}`", c["sessions"], c["ops_per_layer"], c["launches_per_layer"], c["native_calls_per_layer"],
+             c["step_ops"]] for kernels, counts in d["counts"].items() for c in counts]
+    lines = [f"Random model ({', '.join(f'{k} {v}' for k, v in d['shapes'].items())}) on {d['device']}, "
+             f"{d['dtype']}; modes {', '.join(d['modes'])} in turn.", ""]
+    return lines + _table(["kernels", "sessions", "ops a layer", "kernel launches a layer", "native calls a layer",
+                           "ops a step"], rows)
+
+
+def _fields(d: dict) -> list[str]:
+    """Any other result: its scalar fields, one level of nesting flattened."""
+    rows = []
+    for key, value in d.items():
+        if key in ("command", "server_command", "machine", "commit"):
+            continue
+        if isinstance(value, dict):
+            rows += [[f"{key}.{k}", v] for k, v in value.items() if not isinstance(v, (dict, list))]
+        elif not isinstance(value, list):
+            rows.append([key, value])
+    return _table(["field", "value"], rows)
+
+
+TABLES: dict[str, Callable[[dict], list[str]]] = {
+    "eval": _eval, "needle": _needle, "fidelity": _fidelity, "history-swap": _history_swap, "scaling": _scaling,
+    "decode": _decode, "capacity": _capacity, "ttft": _ttft, "serve": _serve, "stall": _stall, "rounds": _rounds,
+    "hsa": _hsa, "linear": _linear, "ops": _ops,
+}
+
+
+def machine_text(machine: dict | None) -> str:
+    if not machine:
+        return "not recorded"
+    return f"{machine.get('cpu') or 'CPU not recorded'}, {machine.get('cores') or '?'} cores, " \
+           f"{'GPU ' + machine['gpu'] if machine.get('gpu') else 'no GPU'}"
+
+
+def part(result: Result, figures: str) -> list[str]:
+    """One result file: where it is, how it was made, its table and figure."""
+    d = result.data
+    lines = [f"### `{result.relative()}`", ""]
+    lines.append(f"- command: `{d.get('command', 'not recorded')}`")
+    if d.get("server_command"):
+        lines.append(f"- server: `{d['server_command']}`")
+    lines.append(f"- machine: {machine_text(d.get('machine'))}")
+    lines.append(f"- commit: {d.get('commit') or 'not recorded'}")
+    lines.append("")
+    lines += TABLES.get(result.bench, _fields)(d)
+    if plottable(result):
+        lines += ["", f"![{result.name}]({figures}/{result.name}.png)"]
+    return lines + [""]
+
+
+def build(results: list[Result], figures: str = "benchmarks", results_dir: Path = RESULTS) -> str:
+    """The text of docs/benchmarks.md; figures are linked as ``<figures>/<name>.png``."""
+    sections: dict[str, list[Result]] = {}
+    for r in results:
+        sections.setdefault(folder(r, results_dir), []).append(r)
+    lines = ["# Benchmarks", "",
+             "Generated by `rocketkv-mt bench report` from the result files under `results/`, one folder per "
+             "benchmark; change those files (by running the command shown) and regenerate, rather than editing "
+             "this page. Each run names its command, the machine it ran on and the commit of its code: compare "
+             "times only between runs of one machine. Earlier runs are in the history of `results/`.", ""]
+    lines += [f"- [{name}](#{name})" for name in sections] + [""]
+    for name, found in sections.items():
+        lines += [f"## {name}", "", ABOUT.get(name, ""), ""]
+        for r in found:
+            lines += part(r, figures)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write(results_dir: Path = RESULTS, doc: Path = DOC) -> list[Path]:
+    """Write ``doc`` and its figures (in ``<doc's folder>/<doc's stem>/``), removing figures no result
+    draws any more. Returns the files written."""
+    results = shipped(results_dir)
+    figures = doc.parent / doc.stem
+    drawn = [render(r, figures / f"{r.name}.png") for r in results if plottable(r)]
+    for stale in set(figures.glob("*.png")) - set(drawn):
+        stale.unlink()
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(build(results, doc.stem, results_dir))
+    return [doc, *drawn]
+
+
+def main(args) -> int:
+    try:
+        written = write(Path(args.results), Path(args.out))
+    except ImportError as exc:  # matplotlib comes with the dev extras (`make setup` installs them)
+        print(f"bench report: {exc}: install the dev extras (pip install -e '.[dev]')", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"bench report: {exc}", file=sys.stderr)
+        return 2
+    print(f"{written[0]} and {len(written) - 1} figures")
+    return 0

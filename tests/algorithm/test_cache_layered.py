@@ -1,0 +1,116 @@
+"""A first prompt fed layer by layer (``ComposedCache.begin_layered``): in every mode the same outputs,
+kept tokens and keys as a whole prefill, however the rows are grouped; each layer holds the whole
+prompt only while it is the one running; taken back half way, the cache is empty and serves a new
+first turn as a fresh one does, with nothing left in the host tier."""
+import pytest
+import torch
+
+from cache_drive import SPEC, forward, forward_layered, layer_inputs, tier_context
+from rocketkv_mt.cache import CACHE_MODES, make_cache
+from rocketkv_mt.config import RocketKVConfig
+
+MODES = sorted(CACHE_MODES)
+ROCKET = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
+
+
+def _pair(mode: str, name: str):
+    return [make_cache(mode, SPEC, ROCKET, tier_context(session_id=f"{name}-{mode}-{i}")) for i in range(2)]
+
+
+@torch.inference_mode()
+def _rest_of_conversation(cache, gen: torch.Generator) -> list[torch.Tensor]:
+    """Two decode steps and a short second turn with one decode step: every layer's outputs."""
+    outs = []
+    for _ in range(2):
+        outs += forward(cache, layer_inputs(gen, 1), prefill=False)
+    cache.end_turn()
+    outs += forward(cache, layer_inputs(gen, 12), prefill=True, max_new=2)
+    outs += forward(cache, layer_inputs(gen, 1), prefill=False)
+    cache.end_turn()
+    return outs
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [7, 64, 200])
+@torch.inference_mode()
+def test_a_prompt_fed_layer_by_layer_is_the_whole_prefill(mode, rows):
+    whole, by_layer = _pair(mode, f"same{rows}")
+    inputs = layer_inputs(torch.Generator().manual_seed(3), 150)
+    expect = forward(whole, inputs, prefill=True, max_new=4)
+    got = forward_layered(by_layer, inputs, max_new=4, rows=rows)
+    for a, b in zip(expect, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    assert by_layer.history_len == whole.history_len == 150
+    for a, b in zip(whole.layers, by_layer.layers):
+        assert torch.equal(a.positions, b.positions)
+        torch.testing.assert_close(b.keys, a.keys, atol=1e-6, rtol=0)
+    assert by_layer.tier_bytes() == whole.tier_bytes()
+    if mode not in ("full", "rocketkv-mt"):
+        assert whole.kept_tokens() < 150  # Stage 1 did compress
+    # The conversation goes on the same way from either.
+    later = [_rest_of_conversation(c, torch.Generator().manual_seed(4)) for c in (whole, by_layer)]
+    for a, b in zip(*later):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+    for cache in (whole, by_layer):
+        cache.release()
+
+
+@pytest.mark.parametrize("mode", ["snapkv", "tiered"])
+@torch.inference_mode()
+def test_a_layer_holds_its_whole_prompt_only_while_it_runs(mode):
+    cache, _ = _pair(mode, "peak")
+    n, rows = 150, 50
+    seen = []
+
+    def on_group(c):
+        seen.append([store.length for store in c.layers])
+
+    forward_layered(cache, layer_inputs(torch.Generator().manual_seed(5), n), max_new=4, rows=rows, on_group=on_group)
+    kept = cache.kept_tokens()
+    assert kept < n
+    # Layer 0 grows to the whole prompt and selects with its last group; then layer 1 grows, and so on:
+    # the layers before the running one hold their selections, the layers after it nothing yet.
+    assert seen[:4] == [[50, 0, 0], [100, 0, 0], [kept, 0, 0], [kept, 50, 0]]
+    for lengths in seen:
+        assert sum(length > kept for length in lengths) <= 1, lengths
+    assert max(sum(lengths) for lengths in seen) == 2 * kept + 100  # never the prompt in every layer
+    cache.release()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@torch.inference_mode()
+def test_taken_back_half_way_the_cache_is_as_new(mode):
+    stopped, fresh = _pair(mode, "undo")
+    host = stopped.prefill.tiers.host if mode == "tiered" else None
+    gen = torch.Generator().manual_seed(6)
+    inputs = layer_inputs(gen, 150)
+    stopped.begin_layered(150, 4)
+    for layer, (q, k, v) in enumerate(inputs[:2]):  # two layers whole (selected: tiered demoted), then half of one
+        stopped.attend(layer, q, k, v, 0.25)
+    q, k, v = inputs[2]
+    stopped.attend(2, q[:, :, :70], k[:, :, :70], v[:, :, :70], 0.25)
+    if mode == "tiered":
+        assert stopped.tier_bytes()["host"] > 0
+    stopped.undo_layered()
+    assert stopped.history_len == 0 and stopped.device_bytes() == 0 and stopped.step is None
+    assert stopped.tier_bytes() == {"device": 0, "host": 0, "redis": 0}
+    if host is not None:
+        assert not host.session_bytes(stopped.prefill.tiers.session_id)
+    # A first turn now goes as in a cache that never saw the stopped one.
+    again = layer_inputs(torch.Generator().manual_seed(7), 90)
+    a = forward_layered(stopped, again, max_new=3, rows=40)
+    b = forward_layered(fresh, again, max_new=3, rows=40)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
+    for x, y in zip(stopped.layers, fresh.layers):
+        assert torch.equal(x.positions, y.positions) and torch.equal(x.keys, y.keys)
+    for cache in (stopped, fresh):
+        cache.release()
+
+
+def test_only_an_empty_cache_is_fed_layer_by_layer():
+    cache, _ = _pair("rocketkv", "refuse")
+    forward(cache, layer_inputs(torch.Generator().manual_seed(8), 20), prefill=True, max_new=2)
+    with pytest.raises(RuntimeError, match="empty cache"):
+        cache.begin_layered(100, 2)
+    cache.release()

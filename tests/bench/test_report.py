@@ -1,0 +1,122 @@
+"""``rocketkv-mt bench report``: docs/benchmarks.md is exactly what the shipped result files give now,
+one section per benchmark, every run with its command, machine and commit; the result files carry
+those fields themselves, and new results get them when they are written."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+from bench import report
+from bench.common import write_json
+from bench.plot import plottable
+from bench.provenance import command, commit
+from bench.results import RESULTS, ROOT, shipped
+from cli.main import build_parser
+
+HASH = re.compile(r"^[0-9a-f]{7}(-dirty)?$")
+# The RKV_ settings in force, then the command: `rocketkv-mt ...`, or a bench run as a module (the GPU check).
+COMMAND = r"(RKV_\w+=\S+ )*(rocketkv-mt|python -m bench\.\w+) .+"
+
+
+def sections(text: str) -> dict[str, str]:
+    found = re.split(r"^## ", text, flags=re.M)[1:]
+    return {s.splitlines()[0].strip(): s for s in found}
+
+
+def test_docs_benchmarks_md_is_what_bench_report_writes_now():
+    # Regenerate with `rocketkv-mt bench report` after changing a result file or the report.
+    assert report.DOC.read_text() == report.build(shipped()), "docs/benchmarks.md is stale: run `rocketkv-mt bench report`"
+
+
+def test_every_figure_the_page_links_is_there_and_every_figure_there_is_linked():
+    text = report.DOC.read_text()
+    linked = set(re.findall(r"!\[[^\]]*\]\(benchmarks/([^)]+\.png)\)", text))
+    on_disk = {p.name for p in (report.DOC.parent / "benchmarks").glob("*.png")}
+    assert linked == on_disk
+    assert linked == {f"{r.name}.png" for r in shipped() if plottable(r)}
+
+
+def test_one_section_per_benchmark_each_run_with_its_command_machine_and_commit():
+    found = sections(report.DOC.read_text())
+    folders = {p.parent.relative_to(RESULTS).parts[0] for p in RESULTS.rglob("*.json")}
+    assert set(found) == folders
+    for name, body in found.items():
+        runs = re.split(r"^### ", body, flags=re.M)[1:]
+        files = sorted(p.relative_to(ROOT).as_posix() for p in (RESULTS / name).rglob("*.json"))
+        assert sorted(run.splitlines()[0].strip("` ") for run in runs) == files, name
+        for run in runs:
+            assert re.search(rf"^- command: `{COMMAND}`$", run, re.M), run
+            assert re.search(r"^- machine: .+, \d+ cores, (no GPU|GPU .+)$", run, re.M), run
+            assert re.search(r"^- commit: [0-9a-f]{7}(-dirty)?$", run, re.M), run
+            assert re.search(r"^\|---\|", run, re.M), f"{name}: a run without its table"
+
+
+def test_every_shipped_result_carries_its_command_machine_and_commit():
+    for result in shipped():
+        data, where = result.data, result.relative()
+        assert re.fullmatch(COMMAND, data["command"]), where
+        if "--json" in data["command"]:  # run again, it writes this very file
+            assert data["command"].endswith(f"--json {where}"), where
+        assert set(data["machine"]) == {"cpu", "cores", "gpu"} and data["machine"]["cores"] >= 1, where
+        assert HASH.match(data["commit"]), where
+
+
+def test_report_writes_page_and_figures_twice_alike_and_drops_stale_figures(tmp_path):
+    results = tmp_path / "results"
+    for name in ("decode", "hsa"):
+        shutil.copytree(RESULTS / name, results / name)
+    doc = tmp_path / "docs" / "benchmarks.md"
+    (doc.parent / "benchmarks").mkdir(parents=True)
+    stale = doc.parent / "benchmarks" / "decode-gone.png"
+    stale.write_bytes(b"old")
+    args = build_parser().parse_args(["bench", "report", "--results", str(results), "--out", str(doc)])
+    assert args.func(args) == 0
+    first = doc.read_text()
+    figures = {p.name: p.read_bytes() for p in (doc.parent / "benchmarks").iterdir()}
+    assert not stale.exists()
+    assert set(figures) == {"decode-8k_b256.png", "decode-8k_b512.png"}  # hsa has a table, no figure
+    assert list(sections(first)) == ["decode", "hsa"]
+    assert args.func(args) == 0
+    assert doc.read_text() == first
+    assert {p.name: p.read_bytes() for p in (doc.parent / "benchmarks").iterdir()} == figures
+
+
+def test_a_result_of_a_benchmark_the_report_does_not_know_is_listed_by_its_fields(tmp_path):
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "summary.json").write_text(json.dumps(
+        {"command": "rocketkv-mt bench e2e --json results/gpu/summary.json", "commit": "abcdef1",
+         "machine": {"cpu": "Some CPU", "cores": 16, "gpu": "NVIDIA H100"}, "wall_s": 301.5,
+         "parts": {"e2e": "ok", "kernel_tests": "2 failed | see\nlog"}}))
+    text = report.build(shipped(tmp_path), results_dir=tmp_path)
+    assert "- machine: Some CPU, 16 cores, GPU NVIDIA H100" in text
+    assert "| wall_s | 301.5 |" in text and "| parts.e2e | ok |" in text
+    assert "| parts.kernel_tests | 2 failed \\| see log |" in text  # one row, whatever the value holds
+
+
+def test_a_written_result_is_stamped_with_its_provenance(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["/usr/bin/rocketkv-mt", "bench", "decode", "--json", "out.json"])
+    monkeypatch.setenv("RKV_THREADS", "1")
+    write_json({"context": 10}, str(tmp_path / "out.json"), quiet=True)
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["command"] == "RKV_THREADS=1 rocketkv-mt bench decode --json out.json"
+    assert data["machine"]["cores"] >= 1 and data["machine"]["cpu"]
+    assert data["commit"] is None or re.match(r"^[0-9a-f]{7}(-dirty)?$", data["commit"])
+    assert data["context"] == 10
+
+
+def test_the_command_reads_as_typed_again():
+    assert command(["/x/cli/__main__.py", "eval", "--modes", "full,tiered", "--variants", '{"a": 1}'],
+                   {"RKV_MODEL": "bundled:qwen2.5-coder-0.5b", "PATH": "/bin"}) == \
+        "RKV_MODEL=bundled:qwen2.5-coder-0.5b rocketkv-mt eval --modes full,tiered --variants '{\"a\": 1}'"
+    assert command(["/repo/bench/gpu_check.py", "--quick"], {}) == "python -m bench.gpu_check --quick"
+
+
+def test_a_tree_without_git_names_the_commit_it_travelled_with(tmp_path, monkeypatch):
+    # A lent GPU machine receives the tree without .git; gpu_run.sh exports the bundle's commit.
+    monkeypatch.delenv("RKV_SOURCE_COMMIT", raising=False)
+    assert commit(tmp_path) is None
+    monkeypatch.setenv("RKV_SOURCE_COMMIT", "0123abc")
+    assert commit(tmp_path) == "0123abc"
+    assert re.match(r"^[0-9a-f]{7}(-dirty)?$", commit(ROOT))  # a checkout answers for itself
+    assert "RKV_SOURCE_COMMIT" not in command(["rocketkv-mt", "bench", "hsa"])
