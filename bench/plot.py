@@ -8,6 +8,8 @@ phase; with ``--stall``, the gaps between streamed tokens before and during a lo
 """
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.results import Result, load
@@ -159,17 +161,19 @@ def plot_files(paths: list[str | Path], out: Path) -> list[Path]:
     return [render(r, out / f"{r.name}.png") for r in results]
 
 
-def main(args) -> int:
-    import sys
-
+def run_command(name: str, work: Callable[[], str]) -> int:
+    """Run a command's ``work`` and print what it says; a failure is one line on stderr and exit 2."""
     try:
-        written = plot_files(args.results, Path(args.out))
+        said = work()
     except ImportError as exc:  # matplotlib comes with the dev extras (`make setup` installs them)
-        print(f"bench plot: {exc}: install the dev extras (pip install -e '.[dev]')", file=sys.stderr)
+        print(f"{name}: {exc}: install the dev extras (pip install -e '.[dev]')", file=sys.stderr)
         return 2
     except (ValueError, KeyError, OSError) as exc:
-        print(f"bench plot: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr)
         return 2
-    for path in written:
-        print(path)
+    print(said)
     return 0
+
+
+def main(args) -> int:
+    return run_command("bench plot", lambda: "\n".join(map(str, plot_files(args.results, Path(args.out)))))

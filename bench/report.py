@@ -8,11 +8,10 @@ and when lives in git.
 """
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.plot import plottable, render
+from bench.plot import plottable, render, run_command
 from bench.results import RESULTS, ROOT, Result, folder, shipped
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -303,13 +302,8 @@ def write(results_dir: Path = RESULTS, doc: Path = DOC) -> list[Path]:
 
 
 def main(args) -> int:
-    try:
+    def work() -> str:
         written = write(Path(args.results), Path(args.out))
-    except ImportError as exc:  # matplotlib comes with the dev extras (`make setup` installs them)
-        print(f"bench report: {exc}: install the dev extras (pip install -e '.[dev]')", file=sys.stderr)
-        return 2
-    except (ValueError, KeyError, OSError) as exc:
-        print(f"bench report: {exc}", file=sys.stderr)
-        return 2
-    print(f"{written[0]} and {len(written) - 1} figures")
-    return 0
+        return f"{written[0]} and {len(written) - 1} figures"
+
+    return run_command("bench report", work)
