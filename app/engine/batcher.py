@@ -31,10 +31,11 @@ stopped prefill takes its chunks back (``SessionCache.undo_chunks``), leaving th
 A session's first prompt longer than ``prefill_chunk`` is fed layer by layer instead
 (``app.engine.layer_prefill``), so its cache never holds the whole prompt in every layer: not a
 segment of a step but slices of work between steps, each running groups of one layer's rows until
-about half a decode-only step's time has passed (a quarter second when nobody decodes), with the
-groups sized on what a row cost. Several such prefills take slices in turn, so two long prompts
-advance together, each holding one layer of itself at a time; between two slices its gate is
-checked as between chunks, and a stopped one is taken back (``SessionCache.undo_layered``).
+about half a decode-only step's time has passed (a quarter second when nobody decodes), the groups
+sized on what a row cost while others wait (whole ``prefill_chunk`` groups when none do). Several
+such prefills take slices in turn, so two long prompts advance together, each holding one layer of
+itself at a time; between two slices its gate is checked as between chunks, and a stopped one is
+taken back (``SessionCache.undo_layered``).
 
 Before a step, the thread waits briefly (a fraction of the last step's time) until every session
 in its decode phase has asked for its next token, so that they stay in one batch rather than
@@ -328,7 +329,7 @@ class Batcher:
         try:
             if req.plan is None:
                 req.plan = LayerPrefill(self.runner.model, req.cache, req.ids, req.max_new, self.step_tokens)
-            fed = req.plan.advance(t0 + slice_s)
+            fed = req.plan.advance(t0 + slice_s, fit=others)
             token = None
             if req.plan.done:
                 logits = req.plan.finish()

@@ -12,9 +12,10 @@ would have, and each layer selects from the same inputs. While it runs, a layer 
 own whole prompt, the layers before it their selections, and the layers after it nothing new.
 
 ``advance`` does groups until a deadline, so the model thread can run other sessions' decode steps
-between two calls (``app.engine.batcher``); with a deadline, a group is sized on what the rows
-before it cost (a row's cost grows along a layer, with the keys it attends to), between ``MIN_ROWS``
-and ``rows``. ``finish`` gives the first token's logits. Between two calls the prefill can be taken
+between two calls (``app.engine.batcher``); while they wait (``fit``), a group is sized on what the
+rows before it cost (a row's cost grows along a layer, with the keys it attends to), between
+``MIN_ROWS`` and ``rows``, so that it ends near the deadline; otherwise groups are ``rows`` long
+(small groups cost more a row). ``finish`` gives the first token's logits. Between two calls the prefill can be taken
 back (``SessionCache.undo_layered``).
 
 The model is a transformers decoder with Llama's layout (``model.embed_tokens``, ``rotary_emb``,
@@ -59,12 +60,13 @@ class LayerPrefill:
         return self.layer == len(self.model.model.layers)
 
     @torch.inference_mode()
-    def advance(self, deadline: float | None = None) -> int:
+    def advance(self, deadline: float | None = None, fit: bool = False) -> int:
         """Feed groups, at least one, until every layer has had the prompt or ``time.perf_counter()``
-        passes ``deadline`` (None: to the end); returns the rows fed."""
+        passes ``deadline`` (None: to the end), sizing them to end near it when ``fit``; returns the
+        rows fed."""
         fed = 0
         while not self.done:
-            fed += self.feed_group(self._group(deadline, time.perf_counter()))
+            fed += self.feed_group(self._group(deadline, time.perf_counter()) if fit else self.rows)
             if deadline is not None and time.perf_counter() >= deadline:
                 break
         return fed
