@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from api.health_metrics import health_families
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RATE_WINDOW_S = 60.0
 # Bytes one turn moved between tiers (the ``memory`` of a ``done`` event, ``tiers.base.Traffic``).
@@ -57,6 +59,7 @@ class _ServiceCollector(Collector):
         replicas = GaugeMetricFamily("rkv_replicas", "Chat replicas reporting.")
         replicas.add_metric([], s.get("replicas", 1))
         yield replicas
+        yield from health_families(s)
 
 
 class Metrics:

@@ -93,6 +93,11 @@ class HostTier:
         with self._lock:
             return sum(self._reserved.values()) * self.page_bytes
 
+    def free_bytes(self) -> int:
+        """Bytes of the free slots (those held for turns in flight included)."""
+        with self._lock:
+            return self.pool.free_count() * self.page_bytes
+
     def _room(self, session_id: str) -> int:
         """Free slots a session's store may take: those not held for other sessions' turns."""
         others = sum(n for sid, n in self._reserved.items() if sid != session_id)
