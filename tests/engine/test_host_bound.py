@@ -56,3 +56,21 @@ async def test_a_host_tier_that_holds_one_session_refuses_the_next_until_room_is
     assert done.usage.generated_tokens > 0 and done.memory.host_bytes > 0
     assert host.stats.bytes <= host.capacity_bytes and engine.stats()["host_bytes_reserved"] == 0
     assert [m["role"] for m in second.messages] == ["user", "assistant"]
+
+
+async def test_a_refused_turn_reaches_the_client_as_a_structured_error_and_the_metrics(loaded):
+    import httpx
+    from serving_helpers import WsChat, local_server, session_detail
+
+    with local_server(loaded, mode="tiered", host_tier_bytes=1 << 20) as srv:
+        async with WsChat.open(srv.ws_url) as chat:
+            info = await chat.create()
+            deltas, event = await chat.turn(PROMPT)
+            assert deltas == [] and event["type"] == "error" and event["code"] == "host_memory_exhausted", event
+            assert session_detail(srv.url, info)["messages"] == []  # the session is as it was
+        stats = httpx.get(f"{srv.url}/v1/stats").json()
+        assert stats["turns_refused_host_memory"] == 1 and stats["host_bytes"] <= stats["host_capacity_bytes"] == 1 << 20
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert "rkv_host_memory_refusals_total 1.0" in metrics
+        assert 'rkv_errors_total{code="host_memory_exhausted"} 1.0' in metrics
+        assert "rkv_host_tier_capacity_bytes 1.048576e+06" in metrics
