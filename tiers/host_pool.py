@@ -73,9 +73,9 @@ class HostPool:
         for name, t in batch.items():
             self._fields[name].index_copy_(0, index, t.to(self._fields[name].dtype).cpu())
 
-    def empty(self, n: int) -> PageBatch:
-        """New tensors for ``n`` pages of the pool's layout (pinned where the pool is)."""
-        return {name: torch.empty(n, *t.shape[1:], dtype=t.dtype, pin_memory=self.pin)
+    def empty(self, n: int, pinned: bool = True) -> PageBatch:
+        """New tensors for ``n`` pages of the pool's layout (pinned where the pool is, unless not ``pinned``)."""
+        return {name: torch.empty(n, *t.shape[1:], dtype=t.dtype, pin_memory=self.pin and pinned)
                 for name, t in self._fields.items()}
 
     def gather(self, slots: list[int], out: PageBatch, at: list[int] | None = None) -> None:
@@ -89,7 +89,8 @@ class HostPool:
                 out[name].index_copy_(0, torch.tensor(at, dtype=torch.long), t.index_select(0, index))
 
     def copies(self, slots: list[int]) -> list[PageBatch]:
-        """Each slot's page as tensors of its own (no page axis), in one gather."""
-        out = self.empty(len(slots))
+        """Each slot's page as tensors of its own (no page axis), in one gather (not pinned: they go to
+        Redis, not to the device)."""
+        out = self.empty(len(slots), pinned=False)
         self.gather(slots, out)
         return [{name: t[i] for name, t in out.items()} for i in range(len(slots))]

@@ -74,3 +74,22 @@ async def test_a_refused_turn_reaches_the_client_as_a_structured_error_and_the_m
         assert "rkv_host_memory_refusals_total 1.0" in metrics
         assert 'rkv_errors_total{code="host_memory_exhausted"} 1.0' in metrics
         assert "rkv_host_tier_capacity_bytes 1.048576e+06" in metrics
+
+
+@pytest.mark.parametrize("reselect", ["digest", "exhaustive"])
+async def test_no_turn_writes_more_host_pages_than_its_admission_held(make_engine, reselect):
+    """The hold is an upper bound of each turn's new pages (first turn, short and long later ones, and
+    the exhaustive re-selection, which may promote every cold token): a turn admitted never finds the
+    host tier full half way."""
+    engine = make_engine(mode="tiered", token_budget=128, reselect=reselect)
+    session = engine.create_session()
+    texts = [PROMPT, "What is the key?", hide(["The blue door opens at 9."], 400, [0.5], seed=4) + " When?",
+             "Thanks.", "Say the key once more."]
+    for text in texts:
+        n_new = len(engine._turn_ids(session, text))
+        held = engine.host_memory.pages(session, engine.memory_account.turn_size(session, n_new, PARAMS.max_tokens))
+        before = engine.host_tier.stats.entries
+        await engine.complete(session.id, text, PARAMS)
+        written = engine.host_tier.stats.entries - before
+        assert 0 <= written <= held, (text[:20], written, held)
+    assert engine.host_tier.stats.entries > 0
