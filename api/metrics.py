@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from api.health_metrics import health_families
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RATE_WINDOW_S = 60.0
 TIERS = ("device", "host", "redis")
@@ -31,8 +33,9 @@ DIRECTIONS = {
     "to_redis": lambda m: m.get("redis_bytes_written") or 0,
 }
 # Error codes that refuse work the request was entitled to ask for (a limit or a lack of room), by cause.
-REFUSALS = ("device_memory_exhausted", "too_many_sessions", "rate_limited", "session_busy", "context_length_exceeded",
-            "message_too_large", "max_tokens_too_large", "request_too_large", "replica_unavailable")
+REFUSALS = ("device_memory_exhausted", "host_memory_exhausted", "too_many_sessions", "rate_limited", "session_busy",
+            "context_length_exceeded", "message_too_large", "max_tokens_too_large", "request_too_large",
+            "replica_unavailable")
 # Page moves of the tiers (``tiers.base.TierStats``), by kind.
 PAGE_MOVES = ("promotions", "demotions", "spills")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -75,6 +78,7 @@ class _ServiceCollector(Collector):
         replicas = GaugeMetricFamily("rkv_replicas", "Chat replicas reporting.")
         replicas.add_metric([], s.get("replicas", 1))
         yield replicas
+        yield from health_families(s)
 
 
 class Metrics:

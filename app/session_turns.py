@@ -167,6 +167,10 @@ class Turns:
                     yield Delta(event.text)
                     event = await anext(stream)
                 await stream.aclose()
+            except ChatError as exc:  # refused on the way (a full host tier): the session stays usable
+                await self.persist(session)
+                yield TurnFailed.of(exc)
+                return
             except Exception as exc:  # the engine logged it; the session stays usable (cache rebuilt)
                 await self.persist(session)
                 yield TurnFailed("internal_error", f"the turn failed: {type(exc).__name__}")

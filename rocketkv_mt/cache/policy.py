@@ -150,6 +150,12 @@ class PrefillPolicy(Protocol):
         """Upper bound of the decode set's length during ``turn``."""
         ...
 
+    @staticmethod
+    def cold_tokens_written(turn: TurnSize) -> int:
+        """Upper bound of the tokens per KV head of one layer that ``turn`` writes to the cold tiers as new
+        pages (the host room its admission holds); none where nothing is kept off the device."""
+        return 0
+
     def begin_turn(self) -> None:
         """Before a turn's prefill, while ``CacheState.split`` is still the last turn's."""
 

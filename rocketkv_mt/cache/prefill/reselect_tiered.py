@@ -533,6 +533,14 @@ class ReselectTiered(PrefillPolicy):
     def decode_tokens(turn: TurnSize) -> int:
         return turn.kept_after
 
+    @staticmethod
+    def cold_tokens_written(turn: TurnSize) -> int:
+        """A layer's one selection a turn keeps the prompt budget out of the device's tokens and the cold
+        ones it promotes; the device's others are demoted, and a token that was cold before goes back to
+        its page: at most the device's tokens past the budget, plus as many as it could promote."""
+        device, budget = turn.kept + turn.new, turn.split.prompt_budget
+        return 0 if device <= budget else device - budget + min(budget, max(0, turn.fed - turn.kept))
+
     def cold_tokens(self) -> int:
         return self.cold[0].alive_count()
 
