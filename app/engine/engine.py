@@ -90,7 +90,8 @@ class Engine(TurnLoop, DeviceResidency):
         page_bytes = page_nbytes(self.tier_policy.codec, settings.page_tokens, spec.head_dim, spec.dtype)
         self.host_tier = HostTier(settings.host_tier_bytes, self.redis, page_bytes=page_bytes)
         self.host_memory = HostMemory(self.host_tier, spec, self.tier_policy)
-        self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec, self.tier_policy)
+        self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec, self.tier_policy,
+                                           layered=self.runner.layerable)
         self.parking = True  # make room for a turn by parking idle sessions (else refuse it)
         self.admissions = AdmissionQueue()
         # One model thread: the model steps of all sessions run there, batched (app/engine/batcher.py).
