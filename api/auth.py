@@ -95,7 +95,7 @@ class AuthGate:
                 owner = self.keys.owner(bearer(header(scope, b"authorization")))
             except ApiError as exc:
                 if self.metrics is not None:
-                    self.metrics.errors.labels(exc.code).inc()
+                    self.metrics.error(exc.code)
                 return await refuse(send, 401, exc, extra=[(b"www-authenticate", b"Bearer")])
         scope.setdefault("state", {})["owner"] = owner
         await self.app(scope, receive, send)

@@ -1,7 +1,9 @@
 """Terminal chat client over the server's WebSocket (``rocketkv-mt chat --url ...``).
 
 Replies stream as they are generated; Ctrl-C during a reply cancels it, Ctrl-C or Ctrl-D at the
-prompt quits. Commands: ``/session`` (show id and token), ``/resume ID TOKEN``, ``/new``, ``/quit``.
+prompt quits. Commands: ``/session`` (show id and token), ``/resume ID TOKEN``, ``/new``, ``/map`` (where
+the session's tokens are: ``api.map_text``), ``/quit``. Each reply ends with a line of its usage and one
+of the session's bytes per tier.
 With ``RKV_API_KEY`` set in the environment, its (first) key goes in the handshake's
 ``Authorization: Bearer`` header.
 """
@@ -12,20 +14,32 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
+from api.map_text import render, tier_line
+
 WS_PATH = "/v1/chat/ws"
-HELP = "commands: /session, /resume ID TOKEN, /new, /quit; Ctrl-C cancels a reply"
+HELP = "commands: /session, /resume ID TOKEN, /new, /map, /quit; Ctrl-C cancels a reply"
 
 
 def ws_url(url: str) -> str:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
     path = parts.path if parts.path.endswith(WS_PATH) else parts.path.rstrip("/") + WS_PATH
+    return urlunsplit((scheme, parts.netloc, path, "", ""))
+
+
+def http_url(url: str) -> str:
+    """The server's HTTP base URL, from what ``--url`` was given."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+    path = parts.path.removesuffix(WS_PATH).rstrip("/")
     return urlunsplit((scheme, parts.netloc, path, "", ""))
 
 
@@ -78,6 +92,7 @@ class Client:
                         f"{u['generated_tokens']} generated, {event['finish_reason']}; "
                         f"{m['device_bytes'] / 2**20:.1f} MiB on device; replica {event['replica']}]"
                     )
+                    _err(tier_line(event))
                     return
                 elif event["type"] == "error":
                     _err(f"error [{event['code']}]: {event['message']}")
@@ -96,9 +111,27 @@ class Client:
             await self.bind({"type": "session.resume", "session_id": words[1], "token": words[2]})
         elif words[0] == "/new":
             await self.bind(self._create())
+        elif words[0] == "/map" and self.session:
+            await self.show_map()
         else:
             _err(HELP)
         return True
+
+    async def show_map(self) -> None:
+        """Print the session's memory map (``GET /v1/sessions/{id}/memory-map``) as text."""
+        url = f"{http_url(self.args.url)}/v1/sessions/{self.session['session_id']}/memory-map"
+        headers = {**(auth_headers() or {}), "x-session-token": self.session["token"]}
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+                r = await http.get(url, headers=headers)
+        except httpx.HTTPError as exc:
+            _err(f"cannot reach {url}: {exc}")
+            return
+        if r.status_code != 200:
+            error = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
+            _err(f"error [{error.get('code', r.status_code)}]: {error.get('message', r.text[:200])}")
+            return
+        _err(render(r.json(), width=max(16, min(120, shutil.get_terminal_size().columns - 12))))
 
     def _create(self) -> dict:
         event = {"type": "session.create"}

@@ -22,6 +22,7 @@ STATUS = {
     "history_mismatch": 409,
     "replica_unavailable": 503,
     "device_memory_exhausted": 503,
+    "host_memory_exhausted": 503,
     "store_unavailable": 503,
     "internal_error": 500,
     "engine_error": 500,

@@ -28,7 +28,7 @@ class BodyLimit:
     async def _too_large(self, send) -> None:
         exc = ApiError("request_too_large", f"the request body is over {self.max_bytes} bytes")
         if self.metrics is not None:
-            self.metrics.errors.labels(exc.code).inc()
+            self.metrics.error(exc.code)
         await refuse(send, 413, exc)
 
     async def __call__(self, scope, receive, send):

@@ -81,7 +81,7 @@ def create_app(service: SessionService, settings: ServeSettings | None = None) -
 
     @app.exception_handler(ChatError)  # the service's errors and this layer's own (ApiError)
     async def api_error(_: Request, exc: ChatError):
-        metrics.errors.labels(exc.code).inc()
+        metrics.error(exc.code)
         return error_response(exc)
 
     @app.exception_handler(HTTPException)
@@ -89,19 +89,19 @@ def create_app(service: SessionService, settings: ServeSettings | None = None) -
         # Starlette's own refusals (no such route, wrong method, an unparsable body) in our error shape.
         code = HTTP_CODES.get(exc.status_code, "internal_error" if exc.status_code >= 500 else "invalid_request")
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        metrics.errors.labels(code).inc()
+        metrics.error(code)
         return error_response(ApiError(code, message, status=exc.status_code), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception):
         log.error("request failed", exc_info=exc)
-        metrics.errors.labels("internal_error").inc()
+        metrics.error("internal_error")
         return error_response(ApiError("internal_error", "the server could not handle the request"))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError):
         fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        metrics.errors.labels("invalid_request").inc()
+        metrics.error("invalid_request")
         return error_response(ApiError("invalid_request", fields or "invalid request"))
 
     @app.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["ops"])

@@ -19,7 +19,8 @@ server → client
   ``session``  {session_id, token, mode, budget, replica}
   ``delta``    {text}
   ``done``     {finish_reason, usage{prompt_tokens, prefilled_tokens, generated_tokens},
-                memory{device_bytes, host_bytes, redis_bytes, readmitted_tokens, ...}, replica, ...}
+                memory{device_bytes, host_bytes, redis_bytes, readmitted_tokens, ...}, replica,
+                memory_map{device, host, redis, readmitted, ...} (docs/observability.md), ...}
   ``error``    {code, message}; the connection stays open, except after ``unauthorized``
                (closed with code 4401).
 
@@ -122,6 +123,23 @@ class MemoryModel(BaseModel):
     redis_bytes_written: int = Field(0, description="Bytes the last turn wrote to Redis for this session.")
 
 
+class MapSummaryModel(BaseModel):
+    """The memory map in numbers: token slots (one position of one layer and one KV head) per state,
+    and the slots the last turn re-admitted and demoted (docs/observability.md)."""
+
+    layers: int = 0
+    kv_heads: int = 0
+    positions: int = Field(0, description="Tokens of the conversation (the map's width).")
+    device: int = 0
+    host: int = 0
+    redis: int = 0
+    evicted: int = Field(0, description="Dropped for good (snapkv, rocketkv).")
+    unfed: int = Field(0, description="Not fed to the cache yet (the next turn prefills them).")
+    lost: int = Field(0, description="Cold pages no tier holds (the next turn rebuilds the cache).")
+    readmitted: int = 0
+    demoted: int = 0
+
+
 class SessionEvent(BaseModel):
     type: Literal["session"] = "session"
     session_id: str
@@ -146,6 +164,9 @@ class DoneEvent(BaseModel):
     session_id: str
     ttft_ms: float = 0.0
     latency_ms: float = 0.0
+    memory_map: MapSummaryModel | None = Field(
+        None, description="Where the session's tokens are after the turn (GET /v1/sessions/{id}/memory-map in full)."
+    )
 
 
 class ErrorEvent(BaseModel):
@@ -210,6 +231,38 @@ class SessionDetail(SessionSummary):
     memory: MemoryModel
     turn_stats: list[TurnModel]
     busy: bool
+
+
+class MapRow(BaseModel):
+    layer: int
+    head: int = Field(description="KV head.")
+    runs: list[int] = Field(description="[state, length, state, length, ...]: positions 0..positions-1 in order; "
+                                        "a state is an index into ``states``.")
+    readmitted: list[int] = Field(description="[start, length, ...]: positions the last turn brought back to the device.")
+    demoted: list[int] = Field(description="[start, length, ...]: positions the last turn made cold.")
+
+
+class MessageSpan(BaseModel):
+    role: str = Field(description="user, assistant, or history (imported messages, no turn figures).")
+    message: int | None = Field(description="Index into the session's messages; None for history.")
+    start: int
+    end: int = Field(description="One past the span's last position.")
+
+
+class MemoryMap(BaseModel):
+    """Where every token of the session is, per layer and KV head, run-length encoded
+    (docs/observability.md)."""
+
+    session_id: str
+    mode: str
+    held: bool = Field(description="The cache is on the device (false: parked, or not rebuilt yet).")
+    encoding: Literal["rle/1"]
+    states: list[str]
+    fed: int = Field(description="Positions fed to the cache; the rest are unfed.")
+    rows: list[MapRow]
+    summary: MapSummaryModel
+    messages: list[MessageSpan]
+    tokens: list[str] | None = Field(None, description="Each position's token decoded alone (with ?text=true).")
 
 
 class SessionList(BaseModel):

@@ -6,10 +6,10 @@ messages or tokens.
 """
 from __future__ import annotations
 
-from fastapi import APIRouter, Body, Header, Request, Response
+from fastapi import APIRouter, Body, Header, Query, Request, Response
 
 from api.auth import request_owner as owner
-from api.schemas import CreateSessionRequest, SessionDetail, SessionExport, SessionInfo, SessionList
+from api.schemas import CreateSessionRequest, MemoryMap, SessionDetail, SessionExport, SessionInfo, SessionList
 from app.contract.service import SessionService
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -55,6 +55,16 @@ async def export_session(
     session_id: str, request: Request, token: str | None = Header(None, alias=TOKEN_HEADER)
 ):
     return await _service(request).export_session(session_id, token, owner(request))
+
+
+@router.get("/{session_id}/memory-map", response_model=MemoryMap)
+async def memory_map(
+    session_id: str, request: Request, response: Response, token: str | None = Header(None, alias=TOKEN_HEADER),
+    text: bool = Query(False, description="Also each position's token text (``tokens``)."),
+):
+    """Where every token of the session is, per layer and KV head: device, host tier, Redis (or
+    evicted, unfed), and which the last turn re-admitted or demoted; run-length encoded."""
+    return _replica(response, await _service(request).memory_map(session_id, token, owner(request), text))
 
 
 @router.delete("/{session_id}", status_code=204)

@@ -29,6 +29,7 @@ from app.engine.engine import Engine
 from app.engine.session import Session
 from app.replica_status import redis_health, replica_totals
 from app.session_access import SessionAccess, refuse
+from app.session_map import session_map
 from app.session_repository import SessionRepository
 from app.session_residency import Residency
 from app.session_restore import check_new, create_with_id, detail, export, info, seed_session, summary
@@ -195,6 +196,10 @@ class ChatService:
     async def export_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
         session, _ = await self._session(sid, token, owner)
         return export(session)
+
+    async def memory_map(self, sid: str, token: str | None, owner: str | None = None, text: bool = False) -> dict[str, Any]:
+        session, _ = await self._session(sid, token, owner)
+        return await session_map(self.engine, session, text)
 
     async def delete_session(self, sid: str, token: str | None, owner: str | None = None) -> None:
         session, _ = await self._session(sid, token, owner)

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from app import cpu_linear
 from app.model_registry import ModelNotFound as ModelNotFound  # still importable from here, where it was
 from app.model_registry import bundled_model
+from app.progress import progress
 from app.settings import Settings
 from rocketkv_mt.attention import register_attention
 
@@ -66,11 +67,24 @@ def converted_dir(settings: Settings, gguf_name: str) -> Path:
     return settings.cache_dir / "models" / slug
 
 
-def _convert_gguf(folder: Path, name: str, target: Path) -> None:
-    """Dequantize the GGUF once and write model + tokenizer as safetensors under ``target``."""
+def _convert_gguf(folder: Path, name: str, target: Path, quiet: bool = False) -> None:
+    """Dequantize the GGUF once and write model + tokenizer as safetensors under ``target`` (a bar of
+    its three steps on a terminal, unless ``quiet``: the dequantization takes a while)."""
     log.info("converting %s to a safetensors cache at %s (once)", name, target)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32)
+    with progress(3, f"converting {name} (once)", quiet=quiet, unit="step") as bar:
+        bar.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+        bar.update()
+        bar.set_postfix_str("dequantizing the weights")
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32)
+        bar.update()
+        bar.set_postfix_str("writing safetensors")
+        _write_converted(model, tokenizer, name, target)
+        bar.update()
+
+
+def _write_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, target: Path) -> None:
+    """Save a converted model and its tokenizer as ``target`` (whole, or not at all)."""
     # The weights are plain tensors now; a saved GGUF quantization entry would send later loads back to the GGUF.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -91,8 +105,9 @@ def _convert_gguf(folder: Path, name: str, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_model(settings: Settings) -> LoadedModel:
-    """Load the configured model for inference with the ``rocketkv`` attention registered."""
+def load_model(settings: Settings, quiet: bool = False) -> LoadedModel:
+    """Load the configured model for inference with the ``rocketkv`` attention registered (``quiet``: no
+    progress bar, should it be converted now)."""
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     if settings.threads and device.type == "cpu":
@@ -104,7 +119,7 @@ def load_model(settings: Settings) -> LoadedModel:
         path = converted_dir(settings, name)
         source = "safetensors-cache"
         if not (path / CACHE_MARKER).exists():
-            _convert_gguf(folder, name, path)
+            _convert_gguf(folder, name, path, quiet)
             source = "gguf"
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)

@@ -66,6 +66,8 @@ class SessionRepository:
         if session.busy:
             return  # a turn started meanwhile: its end saves both together
         async with self._save_locks.setdefault(session.id, asyncio.Lock()):
+            if session.busy:
+                return  # a turn started while this waited for the lock (its cache may be mid-prefill)
             expected = self._versions.get(session.id)
             kv = await self.engine.persist(session.id)
             data, summ = record(session, digest, kv), summary(session, self.replica)

@@ -19,10 +19,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from app.contract.errors import ChatError, HistoryMismatch, InvalidRequest
-from app.contract.events import Delta, Done, MemoryStats, TurnEvent, TurnFailed, TurnStarted, Usage
+from app.contract.events import Delta, Done, MapSummary, MemoryStats, TurnEvent, TurnFailed, TurnStarted, Usage
 from app.engine.engine import Engine
 from app.engine.events import TextDelta, TurnDone
 from app.engine.session import Session
+from app.session_map import map_summary
 from app.session_restore import checked_sampling, is_unicode
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,12 @@ def keep(session: Session, key: str | None, replica: str) -> None:
 
 
 def replay(
-    session: Session, key: str | None, replica: str, memory: Callable[[Session], MemoryStats]
+    session: Session, key: str | None, replica: str, memory: Callable[[Session], MemoryStats],
+    memory_map: Callable[[Session], MapSummary] | None = None,
 ) -> list[TurnEvent] | None:
     """The events of the session's last turn if it was sent under ``key`` (its ``done`` with the
-    session's memory now); None when it was not (that turn has not run: the caller runs it)."""
+    session's memory, and its map's summary, now); None when it was not (that turn has not run: the
+    caller runs it)."""
     last: dict[str, Any] | None = session.last_turn
     if key is None or not last or last.get("key") != key:
         return None
@@ -94,6 +97,7 @@ def replay(
         session_id=session.id,
         ttft_ms=last["ttft_ms"],
         latency_ms=last["latency_ms"],
+        memory_map=memory_map(session) if memory_map is not None else None,
     ))
     return events
 
@@ -135,7 +139,8 @@ class Turns:
         try:
             try:
                 session, _ = await self.session_of(sid, token, owner)
-                answered = replay(session, turn_key, self.replica, self.engine.memory)
+                answered = replay(session, turn_key, self.replica, self.engine.memory,
+                                  lambda s: map_summary(self.engine, s))
                 if answered is None:
                     if history is not None and [[m["role"], m["content"]] for m in session.messages] != history:
                         raise HistoryMismatch("the messages do not continue this session's history")
@@ -162,6 +167,10 @@ class Turns:
                     yield Delta(event.text)
                     event = await anext(stream)
                 await stream.aclose()
+            except ChatError as exc:  # refused on the way (a full host tier): the session stays usable
+                await self.persist(session)
+                yield TurnFailed.of(exc)
+                return
             except Exception as exc:  # the engine logged it; the session stays usable (cache rebuilt)
                 await self.persist(session)
                 yield TurnFailed("internal_error", f"the turn failed: {type(exc).__name__}")
@@ -196,4 +205,5 @@ class Turns:
             session_id=session.id,
             ttft_ms=done.ttft_ms,
             latency_ms=done.latency_ms,
+            memory_map=map_summary(self.engine, session),
         )

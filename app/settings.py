@@ -84,8 +84,18 @@ class Settings(BaseSettings):
     )
     redis_namespace: str = Field("rkv", description="Prefix of every Redis key this server writes.")
     redis_ttl_s: int = Field(7 * 86400, ge=60, description="Idle time after which a session's Redis keys expire.")
+    redis_timeout_s: float = Field(
+        2.0, gt=0, description="Socket timeout of each Redis operation; a Redis that does not answer costs this "
+        "once, then its circuit opens."
+    )
+    redis_retry_s: float = Field(
+        1.0, gt=0, description="After Redis failed, calls to it fail at once for this long before one probes "
+        "again (doubling while probes fail, up to 30 times this); /healthz reports `degraded` meanwhile."
+    )
     host_tier_bytes: int = Field(
-        2 * 1024**3, ge=1 << 20, description="Bound of the host tier (CPU memory for cold KV chunks), per replica."
+        2 * 1024**3, ge=1 << 20, description="Hard bound of the host tier (CPU memory for cold KV pages), per "
+        "replica, with or without Redis: a turn whose demotions cannot fit or spill is refused with "
+        "`host_memory_exhausted`."
     )
     page_tokens: int = Field(
         32, ge=4, le=1024, description="Tokens per cold page of one KV head: the unit that moves between tiers "

@@ -7,7 +7,8 @@ engine refuses a turn (``device_memory_exhausted``, decided by its admission bou
 work) or ``--max-sessions`` is reached. Every admitted session stays resident on the device; the
 count is how many were admitted, and the bytes are each session's measured ``device_bytes()``.
 Without ``--device-budget``, the budget is 2.5x the measured bytes of one ``full`` session: room
-for two ``full`` sessions and not three.
+for two ``full`` sessions and not three. On a terminal a bar per mode counts the sessions admitted, with
+the device bytes they hold (``--quiet``: none).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 
 from app.engine.errors import DeviceMemoryExhausted
 from app.engine.sampling import SamplingParams
+from app.progress import progress
 from bench.common import fit_words, load_engine, run_async, write_json
 from bench.haystack import filler_text
 
@@ -66,7 +68,7 @@ async def fill(engine, mode: str, context: int, token_budget: int, params: Sampl
 
 
 async def run(args) -> dict:
-    engine = load_engine(token_budget=args.budget, device_budget_bytes=args.device_budget or 0)
+    engine = load_engine(quiet=args.quiet, token_budget=args.budget, device_budget_bytes=args.device_budget or 0)
     engine.parking = False  # every admitted session stays resident: that is what is counted
     params = SamplingParams(max_tokens=args.max_tokens)
     modes = [m for m in args.modes.split(",") if m]
@@ -91,8 +93,14 @@ async def run(args) -> dict:
             result["device_budget_rule"] = "2.5 x the measured device bytes of one full session"
         for mode in modes:
             engine.memory_account.peak = 0
-            figures = await fill(engine, mode, args.context, args.budget, params, args.max_sessions,
-                                 on_session=lambda n, done, mode=mode: print(f"{mode}: {n} admitted", flush=True))
+            with progress(args.max_sessions, f"capacity {mode}", quiet=args.quiet, unit="session") as bar:
+
+                def admitted(n: int, done, bar=bar) -> None:
+                    bar.set_postfix_str(f"{n} admitted, {engine.memory_account.current / 2**20:.0f} MiB on the device")
+                    bar.update()
+
+                figures = await fill(engine, mode, args.context, args.budget, params, args.max_sessions,
+                                     on_session=admitted)
             figures["peak_device_bytes"] = engine.memory_account.peak
             figures["capped"] = figures["sessions"] >= args.max_sessions
             for sid in figures.pop("ids"):

@@ -28,10 +28,12 @@ def variant(name: str) -> tuple[str, dict]:
 
 
 class Engines:
-    """One engine per distinct settings, all sharing one loaded model."""
+    """One engine per distinct settings, all sharing one loaded model (``quiet``: no bar, should the model
+    be converted first)."""
 
-    def __init__(self, **base):
+    def __init__(self, quiet: bool = False, **base):
         self.base = base
+        self.quiet = quiet
         self._engines: dict[tuple, object] = {}
         self._borrowed: set[tuple] = set()
         self._loaded = None
@@ -47,11 +49,14 @@ class Engines:
 
     def get(self, overrides: dict):
         from app.engine.engine import Engine
+        from app.model_loader import load_model
         from app.settings import Settings
 
         key = tuple(sorted(overrides.items()))
         if key not in self._engines:
-            self._engines[key] = engine = Engine(Settings(**{**self.base, **overrides}), loaded=self._loaded)
+            settings = Settings(**{**self.base, **overrides})
+            loaded = self._loaded or load_model(settings, quiet=self.quiet)
+            self._engines[key] = engine = Engine(settings, loaded=loaded)
             self._loaded = engine.loaded
         return self._engines[key]
 
@@ -70,11 +75,13 @@ class Engines:
                 engine.close()
 
 
-def load_engine(**overrides):
+def load_engine(quiet: bool = False, **overrides):
     from app.engine.engine import Engine
+    from app.model_loader import load_model
     from app.settings import Settings
 
-    return Engine(Settings(**overrides))
+    settings = Settings(**overrides)
+    return Engine(settings, loaded=load_model(settings, quiet=quiet))
 
 
 def fit_words(tokenizer, text: str, n_tokens: int) -> str:

@@ -3,7 +3,9 @@
 Task file: one conversation per line, ``{"id": ..., "turns": [{"user": ..., "answer": ...}, ...]}``;
 a turn is correct when ``answer`` occurs, case-insensitively, in the reply. A turn with several gold
 answers (a QA set's annotators) lists them all under ``answers``: any one of them counts. A
-conversation with a ``kind`` (the RULER-based files) is also counted under it, in ``per_kind``.
+conversation with a ``kind`` (the RULER-based files) is also counted under it, in ``per_kind``. On a
+terminal a bar counts the turns of all modes, with the mode under way and its running accuracy
+(``--quiet``: none).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 from pathlib import Path
 
 from app.engine.sampling import SamplingParams
+from app.progress import progress as progress_bar
 from bench.common import TRAFFIC_FIELDS, Engines, variant, write_json
 
 
@@ -34,7 +37,9 @@ def answered(turn: dict, reply: str) -> bool:
     return any(gold.lower() in text for gold in turn.get("answers", [turn["answer"]]))
 
 
-async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens: int, progress=None) -> dict:
+async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens: int, progress=None, bar=None) -> dict:
+    """One mode over every task; ``progress(partial summary)`` after each conversation, and ``bar`` (a
+    ``tqdm``) advanced by each turn with the running accuracy."""
     n_turns = max(len(t["turns"]) for t in tasks)
     per_turn = [[0, 0] for _ in range(n_turns)]
     peak, latencies, replies = 0, [], []
@@ -55,6 +60,10 @@ async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens
                 counts = per_kind.setdefault(task["kind"], [0, 0])
                 counts[0] += ok
                 counts[1] += 1
+            if bar is not None:
+                right, total = sum(c for c, _ in per_turn), sum(n for _, n in per_turn)
+                bar.set_postfix_str(f"{mode}: accuracy {right / total:.0%} ({right}/{total})")
+                bar.update()
             peak = max(peak, done.memory.device_bytes)
             for k in traffic:
                 traffic[k] += getattr(done.memory, k)
@@ -87,18 +96,22 @@ def main(args) -> int:
     tasks = load_tasks(args.tasks)
     if args.limit:
         tasks = tasks[: args.limit]
-    engines = Engines(**({"prefill_attention": args.prefill_attention} if args.prefill_attention else {}))
+    engines = Engines(quiet=args.quiet,
+                      **({"prefill_attention": args.prefill_attention} if args.prefill_attention else {}))
     modes = [m for m in args.modes.split(",") if m]
     result = {"budget": args.budget, "tasks": args.tasks, "conversations": len(tasks), "modes": {}}
-    for mode in modes:
+    turns = sum(len(t["turns"]) for t in tasks) * len(modes)
+    with progress_bar(turns, "eval", quiet=args.quiet, unit="turn") as bar:
+        for mode in modes:
 
-        def progress(partial: dict, mode=mode) -> None:
-            result["modes"][mode] = partial
-            write_json({**result, "partial": True}, args.json_out, quiet=True)
+            def progress(partial: dict, mode=mode) -> None:
+                result["modes"][mode] = partial
+                write_json({**result, "partial": True}, args.json_out, quiet=True)
 
-        cache_mode, overrides = variant(mode)
-        engine = engines.get(overrides)
-        result["modes"][mode] = asyncio.run(run_mode(engine, cache_mode, tasks, args.budget, args.max_tokens, progress))
+            cache_mode, overrides = variant(mode)
+            engine = engines.get(overrides)
+            result["modes"][mode] = asyncio.run(
+                run_mode(engine, cache_mode, tasks, args.budget, args.max_tokens, progress, bar))
     engines.close()
     summary = {m: {k: v for k, v in r.items() if k != "replies"} for m, r in result["modes"].items()}
     if not args.details:

@@ -6,7 +6,8 @@ prefilled, the reply fed one token at a time. At each reply position the variant
 distribution is compared with full's: top-1 agreement and KL(full || variant). Unlike the
 accuracy of ``rocketkv-mt eval``, whose conversations drift apart after the first differing
 token, this scores every position on the same history, so small differences between settings
-show above the noise.
+show above the noise. On a terminal a bar counts the transcripts and the variants' runs over them,
+with the running agreement (``--quiet``: none).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import torch
 
 from app.engine.sampling import SamplingParams
+from app.progress import progress
 from bench.common import Engines, run_async
 from bench.eval_mt import load_tasks
 from rocketkv_mt.config import RocketKVConfig
@@ -59,16 +61,30 @@ def score(reference: list[torch.Tensor], variant: list[torch.Tensor], targets: l
     return agree, kl
 
 
-async def measure(engines: Engines, tasks: list[dict], variants: dict, budget: int, max_tokens: int) -> dict:
+async def measure(engines: Engines, tasks: list[dict], variants: dict, budget: int, max_tokens: int,
+                  quiet: bool = False) -> dict:
     """{variant name: its agreement and KL against full over every reply position of ``tasks``}.
 
     A variant is {"mode": cache mode, "rocket": RocketKVConfig fields, "settings": engine settings
     such as reselect or cold_dtype}."""
+    with progress(len(tasks) * (2 + len(variants)), "bench fidelity", quiet=quiet, unit="run") as bar:
+        return await _measure(engines, tasks, variants, budget, max_tokens, bar)
+
+
+async def _measure(engines: Engines, tasks: list[dict], variants: dict, budget: int, max_tokens: int, bar) -> dict:
     engine = engines.get({})
     params = SamplingParams(max_tokens=max_tokens)
-    transcripts = [await transcript(engine, t, budget, params) for t in tasks]
+    transcripts = []
+    for t in tasks:
+        transcripts.append(await transcript(engine, t, budget, params))
+        bar.set_postfix_str("full's transcripts")
+        bar.update()
     full = RocketKVConfig(token_budget=budget)
-    references = [follow(engine, "full", full, ids, b, max_tokens) for ids, b in transcripts]
+    references = []
+    for ids, b in transcripts:
+        references.append(follow(engine, "full", full, ids, b, max_tokens))
+        bar.set_postfix_str("full's distributions")
+        bar.update()
     out = {}
     for name, spec in variants.items():
         mode, overrides = spec["mode"], spec.get("rocket", {})
@@ -80,6 +96,8 @@ async def measure(engines: Engines, tasks: list[dict], variants: dict, budget: i
             targets = [t for p, r in bounds for t in ids[p:r]]
             a, k = score(ref, follow(engine, mode, rocket, ids, bounds, max_tokens), targets)
             agree, kl, positions = agree + a, kl + k, positions + len(targets)
+            bar.set_postfix_str(f"{name}: top-1 agreement {agree / max(positions, 1):.1%}")
+            bar.update()
         out[name] = {
             "mode": mode, "rocket": overrides, "settings": spec.get("settings", {}), "positions": positions,
             "top1_agreement": round(agree / positions, 4), "mean_kl": round(kl / positions, 5),
@@ -89,10 +107,11 @@ async def measure(engines: Engines, tasks: list[dict], variants: dict, budget: i
 
 async def run(args) -> dict:
     tasks = load_tasks(args.tasks)[: args.limit or None]
-    engines = Engines()
+    engines = Engines(quiet=args.quiet)
     result = {"tasks": args.tasks, "budget": args.budget, "conversations": len(tasks)}
     try:
-        result["variants"] = await measure(engines, tasks, json.loads(args.variants), args.budget, args.max_tokens)
+        result["variants"] = await measure(engines, tasks, json.loads(args.variants), args.budget, args.max_tokens,
+                                           quiet=args.quiet)
     finally:
         engines.close()
     return result

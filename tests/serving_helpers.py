@@ -184,6 +184,37 @@ class RedisServer:
             self.stop()
 
 
+class BlackHole:
+    """An address that accepts connections and never answers a byte: a Redis that hangs (a dead host
+    behind a live load balancer, a full network buffer). Connections are held until the block ends."""
+
+    def __init__(self):
+        self._server = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self._server.settimeout(0.1)
+        self._held: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self._server.getsockname()[1]}/0"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(socket.timeout, OSError):
+                self._held.append(self._server.accept()[0])
+
+    def __enter__(self) -> "BlackHole":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for conn in [*self._held, self._server]:
+            conn.close()
+
+
 class WsChat:
     """A WebSocket chat client for tests: send events, collect a turn."""
 

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from tiers.base import PageBatch
+from tiers.base import PageBatch, batch_nbytes
 
 
 class PageCodec(Protocol):
@@ -55,6 +55,12 @@ class Int8Codec:
 
 
 CODECS: dict[str, type] = {"raw": RawCodec, "int8": Int8Codec}
+
+
+def page_nbytes(codec: PageCodec, page_tokens: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one page (``page_tokens`` tokens of one KV head) as ``codec`` stores it."""
+    zeros = torch.zeros(1, page_tokens, head_dim, dtype=dtype)
+    return batch_nbytes(codec.encode(zeros, zeros))
 
 
 def make_codec(name: str) -> PageCodec:

@@ -20,6 +20,7 @@ from tiers.base import Traffic
 from tiers.codec import PageCodec
 from tiers.host import HostTier
 from tiers.page_grouping import group_by_keys
+from tiers.residency import TIER_CODES, ColdResidency
 
 # Digests are read every turn, so they are kept small: bfloat16, each bound rounded away from the keys
 # (kmin down, kmax up), which keeps it a bound of every key of its page.
@@ -117,6 +118,10 @@ class ColdLayer:
         self._vmin, self._vmax = _Table(hkv, (width,), DIGEST_DTYPE), _Table(hkv, (width,), DIGEST_DTYPE)
         # False once a page table without value sketches was restored (written by an older version).
         self.values_sketched = True
+        # What the turn under way moved (``new_turn`` clears it), for the memory map: the flat slots it
+        # promoted (Hkv, m) and the positions it made cold (Hkv, L; -1: not), one entry per move.
+        self._turn_promoted: list[torch.Tensor] = []
+        self._turn_demoted: list[torch.Tensor] = []
 
     @property
     def _pages(self) -> int:
@@ -250,6 +255,7 @@ class ColdLayer:
         turn demotes a few pages a head, and per-head steps cost more than the bytes."""
         p, hkv = self.page_tokens, mask.shape[0]
         mask, pos_cpu = mask.cpu(), positions.cpu()
+        self._turn_demoted.append(torch.where(mask, pos_cpu, -1))
         slots = self._slots_at(pos_cpu)
         self._mark(torch.where(mask, slots, -1), cold=True)
         fresh = mask & (slots < 0)
@@ -323,7 +329,40 @@ class ColdLayer:
 
     def promote(self, slots: torch.Tensor) -> None:
         """Mark flat cold slots (Hkv, m) (-1: none) as held on the device again."""
-        self._mark(slots.cpu(), cold=False)
+        slots = slots.cpu()
+        self._turn_promoted.append(slots)
+        self._mark(slots, cold=False)
+
+    # --- the memory map ----------------------------------------------------------------------
+    def new_turn(self) -> None:
+        """A turn begins: what the last one promoted and demoted is forgotten."""
+        self._turn_promoted, self._turn_demoted = [], []
+
+    def residency(self) -> ColdResidency:
+        """Each head's cold positions, the tier of each one's page (one look-up in the host tier for
+        all pages), and the positions the turn under way (or the last) promoted and demoted."""
+        hkv, p = len(self.ids), self.page_tokens
+        where = self.host.where_many(self.session_id, self.page_ids())
+        codes = torch.tensor([TIER_CODES[w] for w in where], dtype=torch.int8)
+        positions, tiers = [], []
+        first = 0
+        for h, ids in enumerate(self.ids):
+            n = len(ids)
+            alive, pos = self._alive.buf[h, :n], self._pos.buf[h, :n]
+            page_of = torch.arange(n).unsqueeze(1).expand(n, p)[alive]
+            positions.append(pos[alive])
+            tiers.append(codes[first + page_of])
+            first += n
+        slot_pos = self._pos.buf.reshape(hkv, -1)
+        promoted = [[] for _ in range(hkv)]
+        for slots in self._turn_promoted:
+            for h in range(hkv):
+                row = slots[h][slots[h] >= 0]
+                promoted[h].append(slot_pos[h, row])
+        demoted = [[d[h][d[h] >= 0] for d in self._turn_demoted] for h in range(hkv)]
+        empty = torch.zeros(0, dtype=torch.long)
+        return ColdResidency(positions, tiers, [torch.cat([empty, *ps]) for ps in promoted],
+                             [torch.cat([empty, *ds]) for ds in demoted])
 
     def fetch(self, pages: torch.Tensor, device: torch.device, traffic: Traffic):
         """Read the given pages (Hkv, n) (one batched read) -> keys, values (Hkv, n * P, d), positions,

@@ -1,278 +1,381 @@
-"""Host tier: a bounded pool of page slots in CPU memory; least recently used pages spill to Redis.
+"""Host tier: which cold pages of this process sit in host memory (``tiers.host_pool``), which have a copy
+in Redis, and the policy that moves them: least recently used pages spill to Redis to make room.
 
-The pool is one tensor per page field with a slot axis, pinned when CUDA is present so copies to the
-device can be asynchronous. Pages are written and read in batches by slot index: a read gathers its
-pages into a new tensor, so nothing it returns aliases a slot that a later write may reuse.
+The pool is a hard bound. A store that finds no free slot spills least recently used pages to Redis;
+with no Redis, or while its circuit is open (``tiers.breaker``), nothing can spill and the store fails
+with ``HostFull``, storing nothing. Admission keeps that from happening mid-turn: a turn first
+``reserve``s the slots it may fill, which other sessions' stores then leave alone.
+
+One lock guards the index, the counters and the pool, and no call to Redis is ever made under it: a
+spill marks its pages as spilling and copies them under the lock, writes them with the lock released,
+and frees their slots under it again; reads, persists and frees likewise talk to Redis between two
+holds. So the page reader may demote one session's pages while the model thread reads another's, and
+a Redis that does not answer stalls only the caller that waits on it. Called by ``tiers.cold_layer``
+(pages), the engine (admission, dropping a session) and the replica's status (counters).
 """
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import torch
 
 from tiers.base import PageBatch, TierStats
+from tiers.host_pool import HostPool
 from tiers.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 PageKey = tuple[str, str]  # (session id, page id)
-
-
-def one_at_a_time(method):
-    """Run a tier method under the tier's lock: the page reader may demote one session's pages while
-    the model thread reads another's (``ReselectTiered`` settles a layer beside the next one)."""
-
-    @functools.wraps(method)
-    def locked(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return locked
+# Rounds of spilling one store may try when other threads take the slots its spills freed.
+MAKE_ROOM_ROUNDS = 4
 
 
 class ChunkUnavailable(KeyError):
     """A cold page is neither in host memory nor readable from Redis (not there, or Redis is down)."""
 
 
+class HostFull(RuntimeError):
+    """No host slot for a page: the bound is reached and nothing can spill (no Redis, or it is failing)."""
+
+
 class HostTier:
-    def __init__(self, capacity_bytes: int, redis: RedisTier | None = None, pin: bool | None = None):
+    def __init__(self, capacity_bytes: int, redis: RedisTier | None = None, pin: bool | None = None,
+                 page_bytes: int | None = None):
+        """``page_bytes``: one page's size when known ahead (admission then knows the bound in slots
+        before the first page arrives)."""
         self.capacity_bytes = capacity_bytes
         self.redis = redis
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.pool = HostPool(capacity_bytes, torch.cuda.is_available() if pin is None else pin, page_bytes)
         self.stats = TierStats()
-        self.overflow_slots = 0  # slots allocated past the bound because nothing could spill
-        self._pool: PageBatch = {}
-        self._page_bytes = 0
-        self._slots = 0  # slots allocated (the pool tensors may hold more rows)
-        self._free: list[int] = []
-        self._resident: OrderedDict[PageKey, int] = OrderedDict()
-        self._in_redis: set[PageKey] = set()
-        self._per_session: Counter[str] = Counter()
+        self.refused = 0  # reservations refused: the turns they were for never ran
+        self.exhausted = 0  # stores refused for want of a slot
+        self._resident: OrderedDict[PageKey, int] = OrderedDict()  # pages in a slot, least recently used first
+        self._spilling: dict[PageKey, int] = {}  # pages being written to Redis: their slots stay theirs until then
+        self._doomed: set[PageKey] = set()  # spilling pages freed meanwhile: their Redis copy goes too
+        self._pages: dict[str, set[str]] = {}  # per session: its pages in a slot (resident or spilling)
+        self._in_redis: dict[str, set[str]] = {}  # per session: its pages Redis holds a copy of
+        self._reserved: dict[str, int] = {}  # per session: slots its turn in flight may still fill
         self._lock = threading.RLock()
 
-    # --- slots -------------------------------------------------------------------------------
     @property
     def max_slots(self) -> int:
-        return max(1, self.capacity_bytes // self._page_bytes) if self._page_bytes else 0
+        return self.pool.max_slots
 
     @property
     def page_bytes(self) -> int:
-        return self._page_bytes
+        return self.pool.page_bytes
 
-    def _check_layout(self, batch: PageBatch) -> None:
-        if not self._pool:
-            self._page_bytes = sum(t[0].numel() * t.element_size() for t in batch.values())
-            # The whole bound at once, as the first page shows the layout: growing it page batch by
-            # page batch copied the pool again and again (most of a long first turn's demotion). On a
-            # CPU the untouched rows cost no memory; pinned, the bound is taken once at start.
-            self._pool = {k: torch.empty(self.max_slots, *t.shape[1:], dtype=t.dtype, pin_memory=self.pin)
-                          for k, t in batch.items()}
-            return
-        for name, t in batch.items():
-            ref = self._pool.get(name)
-            if ref is None or ref.shape[1:] != t.shape[1:] or ref.dtype != t.dtype or len(batch) != len(self._pool):
-                raise ValueError("every page in the host tier has the same fields, shapes and dtypes")
+    def _can_spill(self) -> bool:
+        return self.redis is not None and not self.redis.unavailable()
 
-    def _grow_to(self, rows: int) -> None:
-        """Make the pool tensors hold at least ``rows`` slots."""
-        have = next(iter(self._pool.values())).shape[0]
-        if rows <= have:
-            return
-        target = max(rows, have + max(have // 2, 64))  # only past the bound (overflow): geometric
-        for name, old in self._pool.items():
-            new = torch.empty(target, *old.shape[1:], dtype=old.dtype, pin_memory=self.pin)
-            new[:have] = old
-            self._pool[name] = new
+    # --- admission ---------------------------------------------------------------------------
+    def reserve(self, session_id: str, pages: int) -> bool:
+        """Hold free slots for up to ``pages`` pages that a session's turn may demote, replacing what it
+        held; False (nothing held) when they are not free beside other turns' reservations. While pages
+        can spill to Redis nothing needs holding: any resident page can make way."""
+        with self._lock:
+            self._reserved.pop(session_id, None)
+            if pages <= 0 or self._can_spill():
+                return True
+            if pages > self._room(session_id):
+                self.refused += 1
+                return False
+            self._reserved[session_id] = pages
+            return True
 
-    def _take_slots(self, n: int, protect: set[PageKey]) -> list[int]:
-        slots = [self._free.pop() for _ in range(min(n, len(self._free)))]
-        fresh = min(n - len(slots), max(0, self.max_slots - self._slots))
-        if n - len(slots) - fresh > 0:
-            slots += self._spill_lru(n - len(slots) - fresh, protect)
-        fresh = n - len(slots)
-        if self._slots + fresh > self.max_slots:
-            self.overflow_slots += self._slots + fresh - max(self.max_slots, self._slots)
-        self._grow_to(self._slots + fresh)
-        slots += list(range(self._slots, self._slots + fresh))
-        self._slots += fresh
-        return slots
+    def release(self, session_id: str) -> None:
+        """A session's turn ended: the slots it held and did not fill are free for others."""
+        with self._lock:
+            self._reserved.pop(session_id, None)
 
-    def _spill_lru(self, n: int, protect: set[PageKey]) -> list[int]:
-        """Move up to n least recently used pages to Redis (one pipelined write); their freed slots."""
-        if self.redis is None:
-            return []
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return sum(self._reserved.values()) * self.page_bytes
+
+    def free_bytes(self) -> int:
+        """Bytes of the free slots (those held for turns in flight included)."""
+        with self._lock:
+            return self.pool.free_count() * self.page_bytes
+
+    def _room(self, session_id: str) -> int:
+        """Free slots a session's store may take: those not held for other sessions' turns."""
+        others = sum(n for sid, n in self._reserved.items() if sid != session_id)
+        return max(0, self.pool.free_count() - others)
+
+    # --- making room -------------------------------------------------------------------------
+    def _make_room(self, session_id: str, n: int, protect: set[PageKey], required: bool) -> list[int]:
+        """``n`` slots for a session's pages: free ones first, then those of least recently used pages
+        spilled to Redis (not ``protect``). Short of ``n``: ``HostFull`` when ``required``, else the
+        slots it found."""
+        got: list[int] = []
+        for _ in range(MAKE_ROOM_ROUNDS):
+            writes: dict[str, dict[str, PageBatch]] = {}
+            with self._lock:
+                got += self.pool.take(min(n - len(got), self._room(session_id)))
+                if len(got) < n and self._can_spill():
+                    got += self._start_spill(n - len(got), protect, writes)
+            if len(got) == n or not writes:
+                break
+            written = {sid: self.redis.put_pages(sid, pages) for sid, pages in writes.items()}  # the lock is free
+            with self._lock:
+                freed, orphans = self._end_spill(writes, written)
+                got += freed
+            for sid, pids in orphans.items():
+                self.redis.delete_pages(sid, pids)
+            if not all(written.values()):
+                break
+        if len(got) < n and required:
+            with self._lock:
+                self.pool.give_back(got)
+                self.exhausted += 1
+            raise HostFull(self._full_message(n))
+        return got
+
+    def _full_message(self, n: int) -> str:
+        why = "no Redis to spill to" if self.redis is None else f"Redis is unavailable ({self.redis.last_error})"
+        return (f"the host tier is full ({self.capacity_bytes} bytes) and {why}: "
+                f"{n} more pages of {self.page_bytes} bytes do not fit")
+
+    def _start_spill(self, k: int, protect: set[PageKey], writes: dict[str, dict[str, PageBatch]]) -> list[int]:
+        """Under the lock: evict up to ``k`` least recently used pages. Those Redis already holds leave at
+        once (their slots are returned); the others are marked spilling and copied into ``writes``
+        (session -> page -> tensors), for ``_end_spill`` once written."""
         victims = []
         for key in self._resident:
-            if len(victims) == n:
+            if len(victims) == k:
                 break
             if key not in protect:
                 victims.append(key)
-        missing = [k for k in victims if k not in self._in_redis]
-        if missing:
-            by_session: dict[str, dict[str, PageBatch]] = {}
-            for key in missing:
-                by_session.setdefault(key[0], {})[key[1]] = self._row(self._resident[key])
-            for sid, pages in by_session.items():
-                if not self.redis.put_pages(sid, pages):
-                    return []
-            self._in_redis.update(missing)
-        freed = []
+        freed, dirty = [], []
         for key in victims:
-            freed.append(self._resident.pop(key))
-            self._per_session[key[0]] -= 1
-        self.stats.spills += len(victims)
-        self.stats.entries -= len(victims)
-        self.stats.bytes -= len(victims) * self._page_bytes
+            slot = self._resident.pop(key)
+            if key[1] in self._in_redis.get(key[0], ()):
+                freed.append(slot)
+                self._forget_host_page(key)
+                self.stats.spills += 1
+            else:
+                self._spilling[key] = slot
+                dirty.append(key)
+        for key, page in zip(dirty, self.pool.copies([self._spilling[key] for key in dirty])):
+            writes.setdefault(key[0], {})[key[1]] = page
         return freed
 
-    def _row(self, slot: int) -> PageBatch:
-        return {name: t[slot].clone() for name, t in self._pool.items()}
+    def _end_spill(self, writes: dict[str, dict[str, PageBatch]], written: dict[str, bool]
+                   ) -> tuple[list[int], dict[str, list[str]]]:
+        """Under the lock, after a spill's writes: the slots they freed, and the Redis copies of pages freed
+        meanwhile (to delete). A page whose write failed stays resident, first to go next time."""
+        freed: list[int] = []
+        orphans: dict[str, list[str]] = {}
+        for sid, pages in writes.items():
+            ok = written[sid]
+            for pid in pages:
+                key = (sid, pid)
+                slot = self._spilling.pop(key)
+                if pid not in self._pages.get(sid, ()):  # freed or dropped while it was written
+                    freed.append(slot)
+                    if key in self._doomed:
+                        self._doomed.discard(key)
+                        if ok:
+                            orphans.setdefault(sid, []).append(pid)
+                elif ok:
+                    freed.append(slot)
+                    self._in_redis.setdefault(sid, set()).add(pid)
+                    self._forget_host_page(key)
+                    self.stats.spills += 1
+                else:
+                    self._resident[key] = slot
+                    self._resident.move_to_end(key, last=False)
+        return freed, orphans
+
+    def _forget_host_page(self, key: PageKey) -> None:
+        """A page no longer has a slot (its slot went elsewhere): the counters say so."""
+        mine = self._pages.get(key[0])
+        if mine is not None:
+            mine.discard(key[1])
+            if not mine:
+                del self._pages[key[0]]
+        self.stats.entries -= 1
+        self.stats.bytes -= self.page_bytes
 
     # --- pages -------------------------------------------------------------------------------
-    @one_at_a_time
     def put_many(self, session_id: str, page_ids: list[str], batch: PageBatch) -> int:
-        """Store pages demoted from the device (copied into slots); returns the bytes written."""
-        nbytes = self._store(session_id, page_ids, batch)
-        self.stats.demotions += len(page_ids)
-        self.stats.bytes_written += nbytes
+        """Store pages demoted from the device (copied into slots); returns the bytes written. All or
+        nothing: ``HostFull`` when they do not fit and cannot spill (none of them is then stored)."""
+        if not page_ids:
+            return 0
+        with self._lock:
+            self.pool.lay_out(batch)
+        step = self.max_slots  # a batch larger than the pool: each part spills the one before it
+        stored: list[str] = []
+        try:
+            for i in range(0, len(page_ids), step):
+                part = page_ids[i : i + step]
+                self._store(session_id, part, {k: t[i : i + step] for k, t in batch.items()}, required=True)
+                stored += part
+        except HostFull:
+            self.free_many(session_id, stored)
+            raise
+        nbytes = len(page_ids) * self.page_bytes
+        with self._lock:
+            self.stats.demotions += len(page_ids)
+            self.stats.bytes_written += nbytes
         return nbytes
 
     @torch.inference_mode()
-    def _store(self, session_id: str, page_ids: list[str], batch: PageBatch) -> int:
-        # Inference mode: pool rows written during a model step are inference tensors, writable only there.
-        if not page_ids:
-            return 0
-        self._check_layout(batch)
-        step = self.max_slots
-        if len(page_ids) > step:  # a batch larger than the pool: each part spills the one before it
-            return sum(
-                self._store(session_id, page_ids[i : i + step], {k: t[i : i + step] for k, t in batch.items()})
-                for i in range(0, len(page_ids), step)
-            )
+    def _store(self, session_id: str, page_ids: list[str], batch: PageBatch, required: bool) -> int:
+        """Copy pages into slots (made room for); without ``required`` only the first ones that fit.
+        Returns how many were stored. Inference mode: pool rows written during a model step are
+        inference tensors, writable only there."""
         keys = [(session_id, pid) for pid in page_ids]
-        slots = self._take_slots(len(keys), set(keys))
-        index = torch.tensor(slots, dtype=torch.long)
-        for name, t in batch.items():
-            self._pool[name].index_copy_(0, index, t.to(self._pool[name].dtype).cpu())
-        for key, slot in zip(keys, slots):
-            self._resident[key] = slot
-        self._per_session[session_id] += len(keys)
-        nbytes = len(keys) * self._page_bytes
-        self.stats.entries += len(keys)
-        self.stats.bytes += nbytes
-        return nbytes
+        slots = self._make_room(session_id, len(keys), set(keys), required)
+        if not slots:
+            return 0
+        n = len(slots)
+        with self._lock:
+            self.pool.write(slots, {k: t[:n] for k, t in batch.items()})
+            mine = self._pages.setdefault(session_id, set())
+            for key, slot in zip(keys, slots):
+                old = self._resident.pop(key, None)
+                if old is not None:  # the same page written again: its old slot is free
+                    self.pool.give_back([old])
+                    self.stats.entries -= 1
+                    self.stats.bytes -= self.page_bytes
+                self._resident[key] = slot
+                mine.add(key[1])
+            if session_id in self._reserved:
+                self._reserved[session_id] = max(0, self._reserved[session_id] - n)
+            self.stats.entries += n
+            self.stats.bytes += n * self.page_bytes
+        return n
 
-    @one_at_a_time
     @torch.inference_mode()
     def read_many(self, session_id: str, page_ids: list[str]) -> tuple[PageBatch, int]:
         """Copies of the pages, in order, and the bytes of them that came from Redis.
 
-        Pages spilled to Redis come back in one pipelined request and are stored in the pool again
-        (a promotion into this tier); raises ``ChunkUnavailable`` when a page can be read nowhere.
-        """
+        Pages spilled to Redis come back in one pipelined request (with the lock released) and are
+        stored in the pool again where there is room (a promotion into this tier); raises
+        ``ChunkUnavailable`` when a page can be read nowhere."""
         keys = [(session_id, pid) for pid in page_ids]
-        hits = [(i, self._resident[k]) for i, k in enumerate(keys) if k in self._resident]
-        misses = [i for i, k in enumerate(keys) if k not in self._resident]
-        fetched: list[PageBatch | None] = []
-        if misses:
-            if self.redis is None or any(keys[i] not in self._in_redis for i in misses):
+        out: PageBatch | None = None
+        with self._lock:
+            slots = [self._resident.get(key, self._spilling.get(key)) for key in keys]
+            misses = [i for i, slot in enumerate(slots) if slot is None]
+            in_redis = self._in_redis.get(session_id, ())
+            if misses and (self.redis is None or any(keys[i][1] not in in_redis for i in misses)):
                 raise ChunkUnavailable(f"page {keys[misses[0]]} is in no tier that can be read now")
+            hits = [(i, slot) for i, slot in enumerate(slots) if slot is not None]
+            if hits:
+                out = self.pool.empty(len(keys))
+                self.pool.gather([s for _, s in hits], out, [i for i, _ in hits] if misses else None)
+                for i, _ in hits:
+                    if keys[i] in self._resident:
+                        self._resident.move_to_end(keys[i])
+                self.stats.hits += len(hits)
+        if misses:
             fetched = self.redis.get_pages(session_id, [keys[i][1] for i in misses])
             if any(page is None for page in fetched):
                 raise ChunkUnavailable(f"a page of session {session_id} is in no tier that can be read now")
-        if not self._pool:
-            self._check_layout({k: t.unsqueeze(0) for k, t in fetched[0].items()})
-        out = {name: torch.empty(len(keys), *t.shape[1:], dtype=t.dtype, pin_memory=self.pin)
-               for name, t in self._pool.items()}
-        if hits:
-            slots = torch.tensor([s for _, s in hits], dtype=torch.long)
-            # With no misses the hits are every page, in order: selected straight into the output (one
-            # copy, not a selection then a copy into place), and no positions to place them at.
-            at = torch.tensor([i for i, _ in hits], dtype=torch.long) if misses else None
-            for name, t in self._pool.items():
-                if at is None:
-                    torch.index_select(t, 0, slots, out=out[name])
-                else:
-                    out[name].index_copy_(0, at, t.index_select(0, slots))
-            for i, _ in hits:
-                self._resident.move_to_end(keys[i])
-            self.stats.hits += len(hits)
-        if misses:
+            if out is None:
+                with self._lock:
+                    self.pool.lay_out({k: t.unsqueeze(0) for k, t in fetched[0].items()})
+                    out = self.pool.empty(len(keys))
             at = torch.tensor(misses, dtype=torch.long)
             for name in out:
                 out[name].index_copy_(0, at, torch.stack([page[name] for page in fetched]))
-            self.stats.misses += len(misses)
-            self.stats.promotions += len(misses)
-            promoted = [keys[i][1] for i in misses]
-            self._store(session_id, promoted, {name: t.index_select(0, at) for name, t in out.items()})
-            self._in_redis.update((session_id, pid) for pid in promoted)
-        self.stats.bytes_read += len(keys) * self._page_bytes
-        return out, len(misses) * self._page_bytes
+            with self._lock:
+                self.stats.misses += len(misses)
+                self.stats.promotions += len(misses)
+            # Best effort: a page that finds no room stays in Redis only.
+            self._store(session_id, [keys[i][1] for i in misses], {n: t.index_select(0, at) for n, t in out.items()},
+                        required=False)
+        with self._lock:
+            self.stats.bytes_read += len(keys) * self.page_bytes
+        return out, len(misses) * self.page_bytes
 
-    @one_at_a_time
     def free_many(self, session_id: str, page_ids: list[str]) -> None:
         """Forget pages everywhere (host slots and Redis copies)."""
         in_redis = []
-        for pid in page_ids:
-            key = (session_id, pid)
-            slot = self._resident.pop(key, None)
-            if slot is not None:
-                self._free.append(slot)
-                self._per_session[session_id] -= 1
-                self.stats.entries -= 1
-                self.stats.bytes -= self._page_bytes
-            if key in self._in_redis:
-                self._in_redis.discard(key)
-                in_redis.append(pid)
+        with self._lock:
+            mine, copies = self._pages.get(session_id, set()), self._in_redis.get(session_id, set())
+            for pid in page_ids:
+                key = (session_id, pid)
+                if pid in mine:
+                    slot = self._resident.pop(key, None)
+                    if slot is None:  # being spilled: its slot comes back, and its copy goes, when the write ends
+                        self._doomed.add(key)
+                    else:
+                        self.pool.give_back([slot])
+                    self._forget_host_page(key)
+                if pid in copies:
+                    copies.discard(pid)
+                    in_redis.append(pid)
+            if not copies:
+                self._in_redis.pop(session_id, None)
         if in_redis and self.redis is not None:
             self.redis.delete_pages(session_id, in_redis)
 
-    @one_at_a_time
     def drop_session(self, session_id: str) -> int:
         """Give back the slots of a session leaving this process, keeping its Redis copies.
 
         Unlike ``free_many``, nothing is deleted from Redis: the session's stored record (which another
-        replica, or this one later, restores) still refers to those pages. Returns the slots freed.
-        """
-        keys = [key for key in self._resident if key[0] == session_id]
-        for key in keys:
-            self._free.append(self._resident.pop(key))
-        self.stats.entries -= len(keys)
-        self.stats.bytes -= len(keys) * self._page_bytes
-        self._per_session.pop(session_id, None)
-        self._in_redis.difference_update([key for key in self._in_redis if key[0] == session_id])
-        return len(keys)
+        replica, or this one later, restores) still refers to those pages. Returns the slots freed."""
+        with self._lock:
+            mine = self._pages.pop(session_id, set())
+            for pid in mine:  # one being spilled gives its slot back when its write ends
+                slot = self._resident.pop((session_id, pid), None)
+                if slot is not None:
+                    self.pool.give_back([slot])
+            self.stats.entries -= len(mine)
+            self.stats.bytes -= len(mine) * self.page_bytes
+            self._in_redis.pop(session_id, None)
+            self._reserved.pop(session_id, None)
+        if self.redis is not None:
+            self.redis.forget_session(session_id)
+        return len(mine)
 
-    @one_at_a_time
     def persist_many(self, session_id: str, page_ids: list[str]) -> int | None:
-        """Make sure Redis holds a copy of these pages (one pipelined write of those it lacks).
-
-        Returns the bytes written, or None when Redis is unavailable or a page is held nowhere."""
-        keys = [(session_id, pid) for pid in page_ids if (session_id, pid) not in self._in_redis]
-        if not keys:
-            return 0
-        if self.redis is None or any(k not in self._resident for k in keys):
-            return None
-        pages = {k[1]: self._row(self._resident[k]) for k in keys}
+        """Make sure Redis holds a copy of these pages (one pipelined write of those it lacks, with the
+        lock released). Returns the bytes written, or None when Redis is unavailable or a page is held
+        nowhere."""
+        with self._lock:
+            copies = self._in_redis.get(session_id, ())
+            missing = [pid for pid in page_ids if pid not in copies]
+            if not missing:
+                return 0
+            if self.redis is None:
+                return None
+            slots = [self._resident.get((session_id, pid), self._spilling.get((session_id, pid))) for pid in missing]
+            if any(slot is None for slot in slots):
+                return None
+            pages = dict(zip(missing, self.pool.copies(slots)))
         if not self.redis.put_pages(session_id, pages):
             return None
-        self._in_redis.update(keys)
-        return len(keys) * self._page_bytes
+        with self._lock:
+            mine = self._pages.get(session_id, ())
+            # A page freed meanwhile keeps its copy until its TTL: a record being saved may name it.
+            self._in_redis.setdefault(session_id, set()).update(pid for pid in pages if pid in mine)
+        return len(pages) * self.page_bytes
 
-    @one_at_a_time
     def adopt_many(self, session_id: str, page_ids: list[str]) -> None:
         """Record pages that Redis already holds (a session restored by another process)."""
-        self._in_redis.update((session_id, pid) for pid in page_ids)
+        with self._lock:
+            self._in_redis.setdefault(session_id, set()).update(page_ids)
 
-    @one_at_a_time
     def where(self, session_id: str, page_id: str) -> str:
         key = (session_id, page_id)
-        if key in self._resident:
-            return "host"
-        return "redis" if key in self._in_redis else "none"
+        with self._lock:
+            if key in self._resident or key in self._spilling:
+                return "host"
+            return "redis" if page_id in self._in_redis.get(session_id, ()) else "none"
 
-    @one_at_a_time
+    def where_many(self, session_id: str, page_ids: list[str]) -> list[str]:
+        """``where`` of many pages under one hold of the lock (the memory map asks for every page)."""
+        with self._lock:
+            copies = self._in_redis.get(session_id, ())
+            return ["host" if (session_id, pid) in self._resident or (session_id, pid) in self._spilling
+                    else "redis" if pid in copies else "none" for pid in page_ids]
+
     def session_bytes(self, session_id: str) -> int:
-        return self._page_bytes * self._per_session.get(session_id, 0)
+        """Host bytes of a session's pages: one lookup of its counter, safe from any thread without the lock."""
+        return self.page_bytes * len(self._pages.get(session_id, ()))

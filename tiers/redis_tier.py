@@ -1,21 +1,27 @@
 """Redis tier: raw tensor bytes plus a JSON header per key (never pickle), namespaced, with an idle TTL.
 
 Keys are ``{ns}:session:{id}:kv:{page}``, next to the session's record ``{ns}:session:{id}``
-(``app.session_store``). The tier speaks through the process's one ``RedisClient``, blocking the
-model thread for each call (with a timeout). Failures are counted and reported
-(``healthy``/``last_error``); they are never raised into a chat turn.
+(``app.session_store``). The tier speaks through the process's one ``RedisClient``, blocking its
+caller (the model thread, the page reader, the host tier's spills) for each call, with a timeout and
+behind the client's circuit breaker. Failures are counted and reported (``healthy``/``last_error``);
+they are never raised into a chat turn.
+
+What this process wrote is counted per session (bytes and keys, for ``session_bytes`` and the tier's
+totals) under the tier's own lock, which no call to Redis is made under; a session's counts go when
+it is deleted or leaves this process (``forget_session``).
 """
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Coroutine
 from typing import Any
 
 import torch
 
 from tiers.base import PageBatch, TierStats
-from tiers.redis_client import RedisClient
+from tiers.redis_client import RedisClient, RedisUnavailable
 
 log = logging.getLogger(__name__)
 _DTYPES = {
@@ -58,7 +64,10 @@ class RedisTier:
         self.client = client
         self.ns, self.ttl_s = namespace, ttl_s
         self.stats = TierStats()
-        self._sizes: dict[str, int] = {}
+        # Per session: bytes of each key it wrote (a key written again replaces its size) and their sum.
+        self._sizes: dict[str, dict[str, int]] = {}
+        self._bytes: dict[str, int] = {}
+        self._lock = threading.Lock()  # the counters' owner: held for bookkeeping only, never across a call
         self._client = client.redis
 
     @property
@@ -70,6 +79,10 @@ class RedisTier:
     def last_error(self) -> str | None:
         return self.client.last_error
 
+    def unavailable(self) -> bool:
+        """Whether a call now would fail at once (the client's circuit is open, no probe due)."""
+        return self.client.unavailable()
+
     # --- keys --------------------------------------------------------------------------------
     def chunk_key(self, session_id: str, chunk_id: str) -> str:
         return f"{self.ns}:session:{session_id}:kv:{chunk_id}"
@@ -79,10 +92,17 @@ class RedisTier:
         """Run on the client's loop and wait; on failure count it and return ``default``."""
         try:
             return self.client.run(coro)
+        except RedisUnavailable:  # refused at once: the failure that opened the circuit was logged
+            self._count_error()
+            return default
         except Exception:  # noqa: BLE001 - any Redis failure degrades the tier, never the turn
-            self.stats.errors += 1
+            self._count_error()
             log.warning("redis tier error: %s", self.client.last_error)
             return default
+
+    def _count_error(self) -> None:
+        with self._lock:
+            self.stats.errors += 1
 
     def ping(self) -> bool:
         return self.client.ping()
@@ -104,8 +124,7 @@ class RedisTier:
 
         if not self._run(op(), default=False):
             return False
-        for key, (_, data) in encoded.items():
-            self._account_write(key, len(data))
+        self._account_write(session_id, {pid: len(data) for pid, (_, data) in zip(pages, encoded.values())})
         return True
 
     def get_pages(self, session_id: str, page_ids: list[str]) -> list[PageBatch | None]:
@@ -122,16 +141,14 @@ class RedisTier:
                 return (await pipe.execute())[::2]
 
         replies = self._run(op(), default=None) or [(None, None)] * len(keys)
-        out: list[PageBatch | None] = []
-        for header, data in replies:
-            if header is None:
-                self.stats.misses += 1
-                out.append(None)
-                continue
-            out.append(decode_tensors(header, data)[0])
-            self.stats.hits += 1
-            self.stats.promotions += 1
-            self.stats.bytes_read += len(data)
+        out: list[PageBatch | None] = [None if header is None else decode_tensors(header, data)[0]
+                                       for header, data in replies]
+        found = [len(data) for header, data in replies if header is not None]
+        with self._lock:
+            self.stats.misses += len(replies) - len(found)
+            self.stats.hits += len(found)
+            self.stats.promotions += len(found)
+            self.stats.bytes_read += sum(found)
         return out
 
     def has_pages(self, session_id: str, page_ids: list[str]) -> bool:
@@ -146,22 +163,39 @@ class RedisTier:
 
         return not keys or self._run(op(), default=-1) == len(keys)
 
-    def _account_write(self, key: str, nbytes: int) -> None:
-        if key not in self._sizes:
-            self.stats.entries += 1
-            self.stats.demotions += 1
-        self.stats.bytes += nbytes - self._sizes.get(key, 0)
-        self.stats.bytes_written += nbytes
-        self._sizes[key] = nbytes
+    def _account_write(self, session_id: str, written: dict[str, int]) -> None:
+        with self._lock:
+            sizes = self._sizes.setdefault(session_id, {})
+            for pid, nbytes in written.items():
+                old = sizes.get(pid)
+                if old is None:
+                    self.stats.entries += 1
+                    self.stats.demotions += 1
+                delta = nbytes - (old or 0)
+                self.stats.bytes += delta
+                self._bytes[session_id] = self._bytes.get(session_id, 0) + delta
+                self.stats.bytes_written += nbytes
+                sizes[pid] = nbytes
+
+    def _account_delete(self, session_id: str, page_ids: list[str] | None = None) -> None:
+        """Stop counting these keys of a session (None: all of them, and the session)."""
+        with self._lock:
+            sizes = self._sizes.get(session_id, {})
+            gone = list(sizes) if page_ids is None else [pid for pid in page_ids if pid in sizes]
+            freed = sum(sizes.pop(pid) for pid in gone)
+            self.stats.bytes -= freed
+            self.stats.entries -= len(gone)
+            if page_ids is None or not sizes:
+                self._sizes.pop(session_id, None)
+                self._bytes.pop(session_id, None)
+            else:
+                self._bytes[session_id] -= freed
 
     def delete_pages(self, session_id: str, page_ids: list[str]) -> None:
         keys = [self.chunk_key(session_id, pid) for pid in page_ids]
         if not keys or self._run(self._client.delete(*keys), default=None) is None:
             return
-        for key in keys:
-            if key in self._sizes:
-                self.stats.bytes -= self._sizes.pop(key)
-                self.stats.entries -= 1
+        self._account_delete(session_id, page_ids)
 
     # --- sessions ----------------------------------------------------------------------------
     def delete_session(self, session_id: str) -> None:
@@ -171,14 +205,15 @@ class RedisTier:
                 await self._client.delete(*keys)
 
         self._run(op())
-        prefix = f"{self.ns}:session:{session_id}:kv:"
-        for key in [k for k in self._sizes if k.startswith(prefix)]:
-            self.stats.bytes -= self._sizes.pop(key)
-            self.stats.entries -= 1
+        self._account_delete(session_id)
+
+    def forget_session(self, session_id: str) -> None:
+        """Stop counting a session that leaves this process; its keys stay, for whoever restores it."""
+        self._account_delete(session_id)
 
     def session_bytes(self, session_id: str) -> int:
-        prefix = f"{self.ns}:session:{session_id}:kv:"
-        return sum(n for k, n in self._sizes.items() if k.startswith(prefix))
+        """Bytes this process wrote for the session and still counts: one lookup, safe from any thread."""
+        return self._bytes.get(session_id, 0)
 
     def close(self) -> None:
         """Close the tier's connection; the session records share it, so this comes last."""

@@ -6,8 +6,8 @@ while the model thread goes on computing; on CUDA the worker also issues the hos
 ``wait`` hands the result over: the main stream waits for the side stream's copies, and the tensors
 are recorded as in use there so the allocator does not reuse them early.
 
-The host tier takes a lock around each call (``tiers.host.one_at_a_time``): the worker may write one
-session's demoted pages while the model thread reads another session's.
+The host tier guards its index with a lock it never holds across a Redis call (``tiers.host``): the
+worker may write one session's demoted pages while the model thread reads another session's.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 /* rocketkv-mt browser chat: sessions over the WebSocket protocol of /v1/chat/ws, the session REST
- * API for details, and a live view of where each session's KV cache lives (device / host / Redis).
+ * API for details, and a live view of where each session's KV cache lives (device / host / Redis):
+ * bytes per tier, and the memory map of every token (drawn by memory_map.js, loaded before this file).
  *
  * Plain ES2020, no build step, nothing loaded from other origins. All URLs are relative to the page,
  * so the UI also works when the server is mounted under a path prefix.
@@ -33,6 +34,8 @@ const state = {
   pending: null,       // {resolve, reject} waiting for the next `session` (or `error`) event
   turn: null,          // {sessionId, el, textEl, metaEl, text} while a reply streams
 };
+
+let mapView = null; // the MemoryMapView of the page (memory_map.js), made in init()
 
 class ApiErr extends Error {
   constructor(code, message, status) {
@@ -326,6 +329,7 @@ function renderUsage(turn) {
 
 function clearMemory() {
   renderMemory({}, { history: 0, device: 0 });
+  mapView.clear();
   $("#cached-tokens").textContent = "–";
   $("#memory-updated").textContent = "";
   renderUsage(null);
@@ -389,6 +393,7 @@ async function refreshDetail(s, { renderTranscriptToo = false } = {}) {
     s.budget = detail.budget ?? s.budget;
     if (s.session_id === state.activeId) {
       renderMemory(detail.memory, detail.tokens);
+      refreshMap(s).catch(reportError);
       if (renderTranscriptToo) {
         renderTranscript(detail);
         const last = detail.turn_stats && detail.turn_stats[detail.turn_stats.length - 1];
@@ -404,6 +409,13 @@ async function refreshDetail(s, { renderTranscriptToo = false } = {}) {
     renderSessionList();
     if (s.session_id === state.activeId) renderHeader();
   }
+}
+
+// The memory map of a session, with each position's token text for the hover.
+async function refreshMap(s) {
+  const path = `v1/sessions/${encodeURIComponent(s.session_id)}/memory-map?text=true`;
+  const map = await api("GET", path, { token: s.token });
+  if (s.session_id === state.activeId) mapView.show(map);
 }
 
 async function createSession(ev) {
@@ -666,6 +678,8 @@ async function loadHealth() {
 }
 
 function init() {
+  mapView = new MemoryMapView($("#map-canvas"), $("#map-tip"), $("#map-summary"));
+  window.rkvMemoryMap = mapView;
   loadStored();
   $("#api-key").value = state.apiKey;
   $("#api-key-form").addEventListener("submit", (ev) => {

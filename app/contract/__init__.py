@@ -7,13 +7,14 @@ process boundary; ``api`` turns them into its wire formats (``api.wire``, ``api.
 here knows about HTTP, JSON schemas or Ray.
 """
 from app.contract.errors import ChatError
-from app.contract.events import Delta, Done, MemoryStats, TurnEvent, TurnFailed, TurnStarted, Usage
+from app.contract.events import Delta, Done, MapSummary, MemoryStats, TurnEvent, TurnFailed, TurnStarted, Usage
 from app.contract.ids import is_session_id, new_session_id, new_session_token, new_turn_key
 
 __all__ = [
     "ChatError",
     "Delta",
     "Done",
+    "MapSummary",
     "MemoryStats",
     "TurnEvent",
     "TurnFailed",

@@ -88,6 +88,13 @@ class DeviceMemoryExhausted(ChatError):
     code = "device_memory_exhausted"
 
 
+class HostMemoryExhausted(ChatError):
+    """The replica's host tier is full and nothing can spill to Redis (none, or it is failing): a turn
+    that would demote pages there is refused before it runs, the session unchanged."""
+
+    code = "host_memory_exhausted"
+
+
 class SessionNotFound(ChatError):
     """Unknown, malformed, someone else's, or a wrong token: all the same to the caller."""
 

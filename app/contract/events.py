@@ -37,6 +37,24 @@ class MemoryStats:
     redis_bytes_written: int = 0
 
 
+@dataclass(frozen=True)
+class MapSummary:
+    """The memory map in a few numbers (``rocketkv_mt.cache.memory_map``): token slots (one position of
+    one layer and one KV head) per state, and those the last turn re-admitted and demoted."""
+
+    layers: int = 0
+    kv_heads: int = 0
+    positions: int = 0
+    device: int = 0
+    host: int = 0
+    redis: int = 0
+    evicted: int = 0
+    unfed: int = 0
+    lost: int = 0
+    readmitted: int = 0
+    demoted: int = 0
+
+
 class _Event:
     type: ClassVar[str]
 
@@ -68,6 +86,7 @@ class Done(_Event):
     session_id: str
     ttft_ms: float = 0.0
     latency_ms: float = 0.0
+    memory_map: MapSummary | None = None
     type: ClassVar[str] = "done"
 
 

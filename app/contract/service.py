@@ -25,6 +25,7 @@ VERBS = (
     "resume_session",
     "get_session",
     "export_session",
+    "memory_map",
     "delete_session",
     "cancel_turn",
     "list_sessions",
@@ -32,7 +33,7 @@ VERBS = (
     "health",
 )
 # Verbs after which the replica holds the session (the Ray router then prefers it).
-HOLDING_VERBS = ("create_session", "import_session", "resume_session", "get_session", "export_session")
+HOLDING_VERBS = ("create_session", "import_session", "resume_session", "get_session", "export_session", "memory_map")
 
 
 class SessionService(Protocol):
@@ -55,6 +56,12 @@ class SessionService(Protocol):
     async def get_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]: ...
 
     async def export_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]: ...
+
+    async def memory_map(
+        self, sid: str, token: str | None, owner: str | None = None, text: bool = False
+    ) -> dict[str, Any]:
+        """Where each of the session's tokens is, per layer and KV head (``app.session_map``)."""
+        ...
 
     async def delete_session(self, sid: str, token: str | None, owner: str | None = None) -> None: ...
 

@@ -31,9 +31,11 @@ stopped prefill takes its chunks back (``SessionCache.undo_chunks``), leaving th
 A session's first prompt longer than ``prefill_chunk`` is fed layer by layer instead
 (``app.engine.layer_prefill``), so its cache never holds the whole prompt in every layer: not a
 segment of a step but slices of work between steps, each running groups of one layer's rows until
-about half a decode-only step's time has passed (a quarter second when nobody decodes), with the
-groups sized on what a row cost. Several such prefills take slices in turn, so two long prompts
-advance together, each holding one layer of itself at a time; between two slices its gate is
+about half a decode-only step's time has passed (a quarter second when nobody decodes; a slice
+may cross layers), the groups sized on what a row cost while others wait (whole ``prefill_chunk``
+groups when none do). Up to ``MAX_LAYERED`` such prefills take slices in turn, so long prompts
+advance together, each holding one layer of itself at a time (and its hidden states: activations
+outside the device budget, hence the cap); between two slices, and before the first, its gate is
 checked as between chunks, and a stopped one is taken back (``SessionCache.undo_layered``).
 
 Before a step, the thread waits briefly (a fraction of the last step's time) until every session
@@ -62,7 +64,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from app.engine.layer_prefill import LayerPrefill, layered
+from app.engine.layer_prefill import LayerPrefill
 from app.engine.model_runner import ModelRunner, Segment
 from app.engine.sampling import Sampler, sample_batch
 from app.engine.steps import (
@@ -73,6 +75,7 @@ from app.engine.steps import (
     Request,
     StepLog,
     StepRecord,
+    by_layer,
     chunk_budget,
     take,
 )
@@ -93,6 +96,7 @@ MIN_CHUNK = 4  # fewest prefill tokens a chunk fed beside decode tokens carries
 DECODE_WINDOW = 9  # decode-only steps whose median is the reference step time
 TOKEN_EMA = 0.5  # weight of the newest chunk in a chunked prefill's running cost per token
 ALONE_SLICE_S = 0.25  # a slice of a prefill fed layer by layer while nobody decodes (new turns get in between)
+MAX_LAYERED = 2  # prefills fed layer by layer at once (each carries its prompt's hidden states); more wait
 
 
 class EngineClosed(RuntimeError):
@@ -124,7 +128,8 @@ class Batcher:
         self._decodes: list[Request] = []
         self._selecting: list[Request] = []  # decodes held back while their cache's selection runs (model thread)
         self._unselected: list[SessionCache] = []  # caches past a chunked prefill, selection not done (model thread)
-        self._layered: deque[Request] = deque()  # prefills fed layer by layer, the next to get a slice first
+        self._layered: deque[Request] = deque()  # prefills fed layer by layer, in arrival order
+        self._slices = 0  # slices given so far: the next goes to the next of the first MAX_LAYERED
         self._finish_first = False  # run those selections before the next step (model thread)
         self._decoding = 0  # sessions between their prefill and the end of their turn
         self._last_step_s = 0.0
@@ -159,10 +164,11 @@ class Batcher:
         Fed in chunks or layer by layer, it checks ``gate`` between two of them: when the check
         raises, or the caller is cancelled, the prefill is taken back (``gate.undone``) and this
         raises that exception (or the cancellation)."""
-        req = Request(key, cache, list(ids), prefill=True, max_new=max_new, gate=gate, sampler=sampler)
         # Read while the session's turn holds its cache: no step touches it before this request runs.
-        by_layer = layered(cache.history_len, len(ids), self.prefill_chunk) and cache.last_chunk_min() is not None
-        return await self._request(req, by_layer)
+        layered = by_layer(cache.history_len, len(ids), self.prefill_chunk,
+                           self.runner.layerable and cache.last_chunk_min() is not None)
+        return await self._request(Request(key, cache, list(ids), prefill=True, max_new=max_new, gate=gate,
+                                           sampler=sampler, by_layer=layered))
 
     async def decode(self, key: str, cache: SessionCache, token: int, sampler: Sampler) -> int:
         """Feed one generated token; returns the next one."""
@@ -180,11 +186,16 @@ class Batcher:
                 self._decoding -= 1
                 self._cond.notify()
 
-    async def _request(self, req: Request, by_layer: bool = False) -> int:
+    async def _request(self, req: Request) -> int:
         with self._cond:
             if self._closed:
                 raise EngineClosed("the engine is closed")
-            (self._layered.append if by_layer else self._prefills.append if req.prefill else self._decodes.append)(req)
+            if req.by_layer:
+                self._layered.append(req)
+            elif req.prefill:
+                self._prefills.append(req)
+            else:
+                self._decodes.append(req)
             self._cond.notify()
         return await _wait(req.future, req)
 
@@ -217,10 +228,8 @@ class Batcher:
                     job_turn = True
                     self._gather()
                     batch = self._take()
-                    by_layer = self._layered[0] if self._layered else None
-                    if by_layer is not None:
-                        self._layered.rotate(-1)  # the next one gets the next slice
-                    others = bool(batch or self._decodes or self._selecting or self._decoding)
+                    layered = self._next_layered()
+                    others = bool(batch or self._selecting or self._decoding)
             if job is not None:
                 self._run_job(*job)
                 continue
@@ -233,8 +242,8 @@ class Batcher:
                 self._select_slice()
             if batch:
                 self._run_step(batch)
-            if by_layer is not None:
-                self._layered_slice(by_layer, others)
+            if layered is not None:
+                self._layered_slice(layered, others)
         self._fail_pending()
 
     def _gather(self) -> None:
@@ -316,6 +325,14 @@ class Batcher:
         self.stats.selection_slices += 1
         self.stats.busy_s += time.perf_counter() - t0
 
+    def _next_layered(self) -> Request | None:
+        """Lock held: the prefill fed layer by layer that gets the next slice, in turn among the first
+        ``MAX_LAYERED`` (None when there is none)."""
+        if not self._layered:
+            return None
+        self._slices += 1
+        return self._layered[self._slices % min(len(self._layered), MAX_LAYERED)]
+
     def _layered_slice(self, req: Request, others: bool) -> None:
         """Model thread: a slice of a prefill fed layer by layer (started here on its first slice); at
         its end, its first token is drawn and handed over."""
@@ -328,7 +345,7 @@ class Batcher:
         try:
             if req.plan is None:
                 req.plan = LayerPrefill(self.runner.model, req.cache, req.ids, req.max_new, self.step_tokens)
-            fed = req.plan.advance(t0 + slice_s)
+            req.plan.advance(t0 + slice_s, fit=others)
             token = None
             if req.plan.done:
                 logits = req.plan.finish()
@@ -342,10 +359,11 @@ class Batcher:
             self.stats.layered_slices += 1
             self.stats.busy_s += time.perf_counter() - t0
         last_layer = req.plan.layer - (req.plan.offset == 0)
+        ended = req.plan.n if token is not None else 0  # a prompt's tokens count once, when all layers had them
         if self.step_log is not None:
-            self.step_log.add(StepRecord(fed, 1, 0, time.perf_counter() - t0, (req.key, first_layer, last_layer)))
-        self.stats.prefill_tokens += fed
+            self.step_log.add(StepRecord(ended, 1, 0, time.perf_counter() - t0, (req.key, first_layer, last_layer)))
         if token is not None:
+            self.stats.prefill_tokens += ended
             self.stats.prefills += 1
             with self._cond:
                 self._layered.remove(req)
@@ -357,9 +375,10 @@ class Batcher:
                 log.exception("step accounting failed")
 
     def _stopped(self, req: Request) -> bool:
-        """Model thread, before a chunk (or a slice) that continues a prefill: stop it there if its turn
-        asks to (``gate.check`` raises) or its caller is gone; what it fed is taken back."""
-        if not req.prefill or (req.fed == 0 and req.plan is None):
+        """Model thread, before a chunk that continues a prefill or any slice of one fed layer by layer:
+        stop it there if its turn asks to (``gate.check`` raises) or its caller is gone; what it fed is
+        taken back."""
+        if not req.prefill or not (req.fed or req.by_layer):
             return False
         try:
             if req.abandoned:
@@ -370,7 +389,10 @@ class Batcher:
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             reason: BaseException = exc
         try:
-            req.cache.undo_layered() if req.plan is not None else req.cache.undo_chunks()
+            if req.plan is not None:
+                req.cache.undo_layered()
+            elif req.fed:
+                req.cache.undo_chunks()
         except Exception as exc:  # noqa: BLE001 - the cache is half-undone: it fails as a cache failure does
             reason = exc
         else:

@@ -13,7 +13,9 @@ at the same time are one batched forward, and a new turn's prefill joins that fo
 memory is accounted per engine (``DeviceMemory``): a turn is admitted only if its bound fits in
 ``device_budget_bytes`` with what the other sessions hold, after parking idle sessions if needed;
 while turns in flight hold the room it needs it waits for them (``AdmissionQueue``), and otherwise
-it is refused with ``device_memory_exhausted`` and the session is unchanged.
+it is refused with ``device_memory_exhausted`` and the session is unchanged. A turn that may demote
+pages to the host tier holds room there first (``HostMemory``): a host tier that is full with nothing
+able to spill refuses it with ``host_memory_exhausted``, the session unchanged.
 
 The jobs live in their own modules, as mixins of this class: running a turn
 (``app.engine.turns``) and keeping caches on the device within the budget
@@ -34,6 +36,7 @@ from app.engine.batcher import Batcher
 from app.engine.chat_format import ChatFormat
 from app.engine.errors import InvalidRequest, SessionBusy, SessionNotFound, UnknownMode
 from app.engine.events import MemoryStats
+from app.engine.host_memory import HostMemory
 from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
 from app.engine.residency import DeviceResidency
@@ -43,7 +46,7 @@ from app.model_loader import LoadedModel, load_model
 from app.settings import Settings
 from rocketkv_mt.cache import CACHE_MODES, SessionCache, TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
-from tiers.codec import make_codec
+from tiers.codec import make_codec, page_nbytes
 from tiers.host import HostTier
 from tiers.redis_client import RedisClient
 from tiers.redis_tier import RedisTier
@@ -64,11 +67,11 @@ class Engine(TurnLoop, DeviceResidency):
         self.max_context = min(settings.max_context or self.runner.max_positions, self.runner.max_positions)
         self._sessions: dict[str, Session] = {}  # changed only by create_session, adopt, drop, delete_session
         self.redis = (
-            RedisTier(RedisClient(settings.redis_url), settings.redis_namespace, settings.redis_ttl_s)
+            RedisTier(RedisClient(settings.redis_url, settings.redis_timeout_s, settings.redis_retry_s),
+                      settings.redis_namespace, settings.redis_ttl_s)
             if settings.redis_url
             else None
         )
-        self.host_tier = HostTier(settings.host_tier_bytes, self.redis)
         # Cold pages read while the model computes.
         self.transfers = Transfers(self.runner.device, flush_denormal=settings.flush_denormal)
         self.tier_policy = TierPolicy(
@@ -83,7 +86,12 @@ class Engine(TurnLoop, DeviceResidency):
             read_whole=settings.digest_read_whole,
             codec=make_codec("int8" if settings.cold_dtype == "int8" else "raw"),
         )
-        self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec, self.tier_policy)
+        spec = self.runner.spec
+        page_bytes = page_nbytes(self.tier_policy.codec, settings.page_tokens, spec.head_dim, spec.dtype)
+        self.host_tier = HostTier(settings.host_tier_bytes, self.redis, page_bytes=page_bytes)
+        self.host_memory = HostMemory(self.host_tier, spec, self.tier_policy)
+        self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec, self.tier_policy,
+                                           layered=self.runner.layerable)
         self.parking = True  # make room for a turn by parking idle sessions (else refuse it)
         self.admissions = AdmissionQueue()
         # One model thread: the model steps of all sessions run there, batched (app/engine/batcher.py).
@@ -185,7 +193,7 @@ class Engine(TurnLoop, DeviceResidency):
         """Device memory (budget, held, peak, parks, refusals) and batching figures of this engine."""
         self.memory_account.observe(list(self._sessions))
         batching = {f"batch_{k}": v for k, v in self.batcher.stats.as_dict().items()}
-        return {**self.memory_account.stats(), **batching}
+        return {**self.memory_account.stats(), **self.host_memory.stats(), **batching}
 
     def memory(self, session: Session) -> MemoryStats:
         cache = session.cache

@@ -7,18 +7,21 @@ output written over its input (a later group of the same layer needs only the ke
 cache holds). The cache (``ComposedCache.begin_layered``) appends each group's keys and values to
 the layer's store, attends the group densely over it and, after the layer's last group, runs the
 mode's selection at once (Stage 1 with the layer's real observation window; evicted or demoted
-tokens leave the device). The result is the whole prefill's, exactly: every row attends to what it
-would have, and each layer selects from the same inputs. While it runs, a layer holds at most its
+tokens leave the device). The result is the whole prefill's, up to float rounding (a group's size
+changes how the kernels block their sums): every row attends to what it would have, and each layer
+selects from the same inputs. While it runs, a layer holds at most its
 own whole prompt, the layers before it their selections, and the layers after it nothing new.
 
 ``advance`` does groups until a deadline, so the model thread can run other sessions' decode steps
-between two calls (``app.engine.batcher``); with a deadline, a group is sized on what the rows
-before it cost (a row's cost grows along a layer, with the keys it attends to), between ``MIN_ROWS``
-and ``rows``. ``finish`` gives the first token's logits. Between two calls the prefill can be taken
+between two calls (``app.engine.batcher``); while they wait (``fit``), a group is sized on what the
+rows before it cost (a row's cost grows along a layer, with the keys it attends to), between
+``MIN_ROWS`` and ``rows``, so that it ends near the deadline; otherwise groups are ``rows`` long
+(small groups cost more a row). ``finish`` gives the first token's logits. Between two calls the prefill can be taken
 back (``SessionCache.undo_layered``).
 
 The model is a transformers decoder with Llama's layout (``model.embed_tokens``, ``rotary_emb``,
-``layers``, ``norm``, ``lm_head``): Llama, Qwen2 and the bundled models.
+``layers``, ``norm``, ``lm_head``, no embedding or logit scaling): the model types in
+``LAYERED_MODEL_TYPES`` (the bundled models among them). Others feed a first prompt in chunks.
 """
 from __future__ import annotations
 
@@ -30,16 +33,15 @@ from rocketkv_mt.cache import SessionCache
 
 MIN_ROWS = 4  # fewest rows a group sized on a deadline carries
 ROW_EMA = 0.5  # weight of the newest group in the running cost of a row
-
-def layered(history_len: int, n_new: int, prefill_chunk: int) -> bool:
-    """Whether a prefill is fed layer by layer: a session's first (or rebuilt) prompt longer than one
-    step's ``prefill_chunk`` (a cache that cannot split its prefill feeds it whole instead)."""
-    return history_len == 0 and 0 < prefill_chunk < n_new
+# transformers model types whose forward is exactly embed -> decoder layers (with rotary tables) -> norm
+# -> lm_head, as ``LayerPrefill`` runs it.
+LAYERED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
 
 class LayerPrefill:
     """One prompt fed layer by layer into ``cache`` (which must be empty) by ``model``."""
 
+    @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, cache: SessionCache, ids: list[int], max_new: int, rows: int):
         if rows < 1:
             raise ValueError("a group has at least one row")
@@ -59,19 +61,22 @@ class LayerPrefill:
         return self.layer == len(self.model.model.layers)
 
     @torch.inference_mode()
-    def advance(self, deadline: float | None = None) -> int:
+    def advance(self, deadline: float | None = None, fit: bool = False) -> int:
         """Feed groups, at least one, until every layer has had the prompt or ``time.perf_counter()``
-        passes ``deadline`` (None: to the end); returns the rows fed."""
+        passes ``deadline`` (None: to the end), sizing them to end near it when ``fit``; returns the
+        rows fed."""
         fed = 0
         while not self.done:
-            fed += self.feed_group(self._group(deadline, time.perf_counter()))
+            fed += self.feed_group(self._group(deadline, time.perf_counter()) if fit else self.rows, wait=fit)
             if deadline is not None and time.perf_counter() >= deadline:
                 break
+        self._wait()  # the slice's time is the device's, not what queueing its work took
         return fed
 
     @torch.inference_mode()
-    def feed_group(self, rows: int | None = None) -> int:
-        """One group: the running layer over its next ``rows`` rows (default ``rows``); returns the rows fed."""
+    def feed_group(self, rows: int | None = None, wait: bool = False) -> int:
+        """One group: the running layer over its next ``rows`` rows (default ``rows``); returns the rows
+        fed. ``wait``: the group has run on the device before this returns (so its time is the group's)."""
         t0 = time.perf_counter()
         a = self.offset
         b = min(a + (rows or self.rows), self.n)
@@ -80,6 +85,8 @@ class LayerPrefill:
             position_embeddings=(self.cos[:, a:b], self.sin[:, a:b]), rkv_cache=self.cache,
         )
         self.layer, self.offset = (self.layer + 1, 0) if b == self.n else (self.layer, b)
+        if wait:
+            self._wait()
         row_s = (time.perf_counter() - t0) / (b - a)
         self.row_s = row_s if self.row_s is None else (1 - ROW_EMA) * self.row_s + ROW_EMA * row_s
         return b - a
@@ -89,9 +96,13 @@ class LayerPrefill:
         cost of a row (``MIN_ROWS`` while that is not known yet)."""
         if deadline is None:
             return self.rows
-        if self.row_s is None:
+        if not self.row_s:
             return min(self.rows, MIN_ROWS)
         return max(MIN_ROWS, min(self.rows, int((deadline - now) / self.row_s)))
+
+    def _wait(self) -> None:
+        if self.hidden is not None and self.hidden.is_cuda:
+            torch.cuda.synchronize(self.hidden.device)
 
     @torch.inference_mode()
     def finish(self) -> torch.Tensor:

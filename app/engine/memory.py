@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from app.engine.layer_prefill import layered
+from app.engine.steps import by_layer
 from rocketkv_mt.cache import CacheSpec, TierPolicy, TurnSize, cache_mode
 
 if TYPE_CHECKING:
@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 
 
 class DeviceMemory:
-    def __init__(self, budget: int, spec: CacheSpec, tiers: TierPolicy | None = None):
+    def __init__(self, budget: int, spec: CacheSpec, tiers: TierPolicy | None = None, layered: bool = True):
         self.budget = int(budget or 0)  # 0: unlimited (still accounted)
+        self.layered = layered  # the model's first prompts may be fed layer by layer (``ModelRunner.layerable``)
         self.tiers = tiers or TierPolicy()  # how tiered turns read cold pages back (their bound counts them)
         elem = torch.empty((), dtype=spec.dtype).element_size()
         self.per_layer_token = spec.num_kv_heads * spec.head_dim * 2 * elem  # K and V of one token, one layer
@@ -71,7 +72,7 @@ class DeviceMemory:
         return TurnSize(
             fed=fed, kept=kept, new=n, total=total, decode=m, split=session.rocket.split(total, m, self.head_dim),
             token_bytes=self.per_token, layer_bytes=self.per_layer_token,
-            chunked=0 < prefill_chunk < n and not layered(fed, n, prefill_chunk),
+            chunked=0 < prefill_chunk < n and not by_layer(fed, n, prefill_chunk, self.layered),
             cold_pages=cold_pages,
         )
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.layer_prefill import LAYERED_MODEL_TYPES
 from app.model_loader import LoadedModel
 from rocketkv_mt.cache import CacheSpec, SessionCache
 from rocketkv_mt.cache.batch import BatchCache
@@ -39,6 +40,8 @@ class ModelRunner:
             kernels=kernels,
         )
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 4096))
+        # A first prompt may be fed layer by layer (``app.engine.layer_prefill``) on these layouts only.
+        self.layerable = getattr(cfg, "model_type", None) in LAYERED_MODEL_TYPES
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         self.eos_ids = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
 

@@ -1,5 +1,6 @@
 """Which sessions' caches are on the device: a turn is admitted within the device budget (parking idle
-sessions to make room, or refused), a parked cache's KV goes to Redis where its mode keeps it there,
+sessions to make room, or refused) once it holds its room in the host tier (``app.engine.host_memory``,
+or refused at once), a parked cache's KV goes to Redis where its mode keeps it there,
 and a session without a cache gets one back (restored from its stored KV, or empty to re-prefill).
 
 A mixin of ``Engine`` (``app.engine.engine``): it works on the engine's own state, named below, and
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from app.engine.admission import AdmissionQueue
 from app.engine.batcher import Batcher
 from app.engine.errors import DeviceMemoryExhausted
+from app.engine.host_memory import HostMemory
 from app.engine.memory import DeviceMemory
 from app.engine.session import Session
 from app.settings import Settings
@@ -28,6 +30,7 @@ class DeviceResidency:
     settings: Settings
     _sessions: dict[str, Session]
     memory_account: DeviceMemory
+    host_memory: HostMemory  # the host room a turn holds before it runs
     batcher: Batcher
     admissions: AdmissionQueue  # turns waiting for the device memory that turns in flight hold
     redis: RedisTier | None
@@ -35,6 +38,16 @@ class DeviceResidency:
     new_cache: Callable[[str, RocketKVConfig, str], SessionCache]
 
     async def _admit_in_turn(self, session: Session, n_new: int, max_new: int) -> None:
+        """Hold the turn's host room (or refuse it at once), then its device memory (``_admit_device``);
+        a device refusal gives the host room back."""
+        self.host_memory.reserve(session, self.memory_account.turn_size(session, n_new, max_new))
+        try:
+            await self._admit_device(session, n_new, max_new)
+        except BaseException:
+            self.host_memory.release(session.id)
+            raise
+
+    async def _admit_device(self, session: Session, n_new: int, max_new: int) -> None:
         """Reserve device memory for a turn, parking idle sessions if needed; while the turns in flight
         hold what it needs, wait for them (in arrival order, up to ``admission_wait_s``); else refuse."""
         shortfall: list[str] = []
@@ -60,9 +73,12 @@ class DeviceResidency:
             raise DeviceMemoryExhausted(shortfall[0])
 
     def _admit(self, session: Session, n_new: int, max_new: int) -> None:
-        """Reserve device memory for a turn now, parking idle sessions if needed, or refuse it."""
+        """Hold host room and reserve device memory for a turn now, parking idle sessions if needed, or
+        refuse it (holding nothing)."""
+        self.host_memory.reserve(session, self.memory_account.turn_size(session, n_new, max_new))
         message = self._reserve(session, n_new, max_new)
         if message is not None:
+            self.host_memory.release(session.id)
             self.memory_account.refusals += 1
             raise DeviceMemoryExhausted(message)
 

@@ -25,14 +25,14 @@ GROWTH = 1.5  # a chunk fed beside decode tokens is at most this many times the 
 
 
 class PrefillAbandoned(RuntimeError):
-    """A chunked prefill whose caller was cancelled, stopped between two chunks."""
+    """A prefill fed in chunks or layer by layer whose caller was cancelled, stopped at a boundary."""
 
 
 @dataclass(eq=False)
 class PrefillGate:
-    """A turn's hold on its prefill while that is fed in chunks."""
+    """A turn's hold on its prefill while that is fed in chunks or layer by layer."""
 
-    check: Callable[[], None] = lambda: None  # model thread, between two chunks: raises to stop there
+    check: Callable[[], None] = lambda: None  # model thread, between two chunks or slices: raises to stop there
     undone: bool = False  # set when the prefill was stopped between chunks and its chunks taken back
 
 
@@ -51,13 +51,21 @@ class Request:
     fed: int = 0  # tokens of ``ids`` that earlier steps fed (a prefill in chunks)
     token_s: float | None = None  # a prefill in chunks: seconds per token of its chunks (running)
     last_chunk: int = 0  # a prefill in chunks: tokens of its last chunk
-    abandoned: bool = False  # the caller was cancelled: a prefill in chunks stops at the next boundary
-    plan: Any = None  # a prefill fed layer by layer: its ``LayerPrefill`` once started (model thread)
+    abandoned: bool = False  # the caller was cancelled: a prefill in pieces stops at the next boundary
+    by_layer: bool = False  # fed layer by layer (``by_layer``), in slices between steps
+    plan: Any = None  # then its ``LayerPrefill`` once started (model thread)
 
     def segment(self, n: int) -> Segment:
         """The next ``n`` tokens as one step's segment."""
         rest = len(self.ids) - self.fed - n
         return Segment(self.cache, self.ids[self.fed : self.fed + n], self.prefill, self.max_new, rest)
+
+
+def by_layer(history_len: int, n_new: int, prefill_chunk: int, splittable: bool) -> bool:
+    """Whether a prefill is fed layer by layer (``app.engine.layer_prefill``): a session's first (or
+    rebuilt) prompt longer than one step's ``prefill_chunk``, where the model's layout and the cache
+    allow it (``splittable``; a cache that cannot split its prefill feeds it whole)."""
+    return splittable and history_len == 0 and 0 < prefill_chunk < n_new
 
 
 def take(

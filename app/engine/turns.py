@@ -4,8 +4,9 @@
 events (``TextDelta``s, then one ``TurnDone``); ``_run_turn`` is that iterator. A turn stopped
 between two chunks of its prefill, or two slices of a first prompt fed layer by layer
 (``_between_chunks``, or its caller gone), is undone: the session is as it was before it, its feed
-log included. A mixin of ``Engine``
-(``app.engine.engine``), working on the engine's state named below.
+log included; so is one whose demotions found the host tier full before it sent anything
+(``host_memory_exhausted``). A mixin of ``Engine`` (``app.engine.engine``), working on the engine's
+state named below.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from app.engine.batcher import Batcher
 from app.engine.chat_format import ChatFormat
 from app.engine.detokenizer import Detokenizer
 from app.engine.errors import (
+    ChatError,
     ContextLengthExceeded,
     DeviceMemoryExhausted,
     EmptyMessage,
@@ -29,6 +31,7 @@ from app.engine.errors import (
     TurnCancelled,
 )
 from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
+from app.engine.host_memory import HostMemory
 from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
 from app.engine.replay import replay, replayable
@@ -37,7 +40,7 @@ from app.engine.session import Feed, Session, TurnStats
 from app.engine.steps import PrefillGate
 from app.settings import Settings
 from rocketkv_mt.cache import SessionCache
-from tiers.host import ChunkUnavailable
+from tiers.host import ChunkUnavailable, HostFull
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +54,7 @@ class TurnLoop:
     chat_format: ChatFormat
     max_context: int
     memory_account: DeviceMemory
+    host_memory: HostMemory
     batcher: Batcher
     get_session: Callable[[str], Session]
     memory: Callable[[Session], MemoryStats]
@@ -151,7 +155,11 @@ class TurnLoop:
                 log.warning("session %s: %s; rebuilding its cache in this turn (%s)", session.id, exc,
                             f"replaying {len(feeds)} turns" if feeds else "one prefill of the history")
                 cache = await self._step(lambda: self._rebuild_cache(session))
-                self._admit(session, 0, max_new)  # the bound of a whole re-prefill, or a structured refusal
+                try:
+                    self._admit(session, 0, max_new)  # the bounds of a whole re-prefill
+                except ChatError:
+                    gate.undone = True  # refused before anything was fed: the session is as before the turn
+                    raise
                 await replay(self.batcher, session.id, cache, session.token_ids, feeds)
                 session.feeds = list(feeds)
                 prefill_ids = session.token_ids[cache.history_len :]
@@ -192,6 +200,15 @@ class TurnLoop:
             finish = "cancelled"
             left = True
             raise
+        except HostFull as exc:
+            # The host tier filled up after admission (Redis failed meanwhile): the half-demoted cache goes,
+            # and a turn that sent nothing yet is undone, as a refusal at admission leaves it.
+            failed = self.memory_account.take_cache(session)
+            if failed is not None:
+                await self._step(lambda: self._release_quietly(session, failed))
+            gate.undone = not generated
+            finish = "error"
+            raise self.host_memory.refuse(f"{exc}; the turn was stopped") from exc
         except Exception as exc:
             if gate.undone:  # stopped between two chunks of the prefill (undone below)
                 if not isinstance(exc, TurnCancelled):
@@ -237,6 +254,7 @@ class TurnLoop:
             self.memory_account.set_held(session.id, session.cache.device_bytes())
         self.memory_account.reserved.pop(session.id, None)
         self.memory_account.chunking.pop(session.id, None)
+        self.host_memory.release(session.id)
         self.admissions.changed()
         session.busy = False
         session.cancel_requested = False
@@ -311,6 +329,7 @@ class TurnLoop:
             self.memory_account.set_held(session.id, stats.device_bytes)
         self.memory_account.reserved.pop(session.id, None)
         self.memory_account.chunking.pop(session.id, None)
+        self.host_memory.release(session.id)
         self.admissions.changed()
         session.turns.append(stats)
         session.busy = False

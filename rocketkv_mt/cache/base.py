@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from rocketkv_mt.cache.decode_target import DecodeTarget
+from rocketkv_mt.cache.memory_map import MemoryMap
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.config import BudgetSplit, RocketKVConfig
 from tiers.base import Traffic
@@ -165,4 +166,13 @@ class SessionCache(Protocol):
 
     def cold_pages(self) -> int:
         """The most cold pages holding a cold token that one KV head has in one layer (0: none)."""
+        ...
+
+    def memory_map(self, positions: int) -> MemoryMap:
+        """Where each of a conversation's ``positions`` tokens is, per layer and KV head
+        (``rocketkv_mt.cache.memory_map``): bookkeeping only, no KV read."""
+        ...
+
+    def map_summary(self, positions: int) -> dict[str, int]:
+        """``memory_map(positions).summary()``, counted without building the map."""
         ...

@@ -26,6 +26,7 @@ import torch
 from rocketkv_mt.attention_ops import dense_attention
 from rocketkv_mt.cache.base import AttentionTimer, CacheSpec, ForwardStep
 from rocketkv_mt.cache.decode_target import DecodeTarget
+from rocketkv_mt.cache.memory_map import MemoryMap, map_summary, memory_map
 from rocketkv_mt.cache.mode import CacheMode
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext
@@ -43,9 +44,7 @@ class ComposedCache:
         self._mode, self._tiers = mode, tiers  # to start afresh (``undo_layered``)
         self.spec = spec
         self.rocket = rocket or RocketKVConfig()
-        self.layers = [
-            LayerKV(spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device) for _ in range(spec.num_layers)
-        ]
+        self.layers = self._fresh_layers()
         self.history_len = 0  # tokens fed so far == position of the next token
         self.step: ForwardStep | None = None
         self.split: BudgetSplit | None = None
@@ -98,10 +97,6 @@ class ComposedCache:
         self.begin_forward(n_new, prefill=True, max_new=max_new)
         self._layered = [0] * self.spec.num_layers
 
-    def layered_fed(self, layer: int) -> int:
-        """Tokens of the prefill fed layer by layer that ``layer`` has had so far."""
-        return self._layered[layer] if self._layered is not None else 0
-
     def end_layered(self) -> None:
         """Every layer has had the whole prompt (and selected): the prefill ends as a whole one does."""
         assert self.step is not None and self._layered is not None
@@ -118,15 +113,16 @@ class ComposedCache:
         if self._layered is None:
             return
         self.prefill.release()
-        self.layers = [
-            LayerKV(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, self.spec.device)
-            for _ in range(self.spec.num_layers)
-        ]
+        self.layers = self._fresh_layers()
         self._layered, self.step, self.split, self.history_len, self.readmitted = None, None, None, 0, 0
         self._window_tail.clear()
         self.traffic.reset()
         self.decode = self._mode.decode(self.spec)
         self.prefill = self._mode.prefill(self, self._tiers)
+
+    def _fresh_layers(self) -> list[LayerKV]:
+        return [LayerKV(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, self.spec.device)
+                for _ in range(self.spec.num_layers)]
 
     def last_chunk_min(self) -> int | None:
         # The window's queries are gathered across chunks (``_window_tail``): a last chunk of one token will do.
@@ -177,6 +173,8 @@ class ComposedCache:
 
     @torch.inference_mode()
     def persist(self) -> dict | None:
+        if self.step is not None:  # between two chunks or slices: what the layers hold is no turn's end
+            raise RuntimeError("a prefill is under way; persist after it")
         self.select_pending()
         state = self.prefill.persist()
         return None if state is None else {"history_len": self.history_len, **state}
@@ -287,3 +285,9 @@ class ComposedCache:
 
     def tier_bytes(self) -> dict[str, int]:
         return {"device": self.device_bytes(), **self.prefill.cold_bytes()}
+
+    def memory_map(self, positions: int) -> MemoryMap:
+        return memory_map(self.layers, self.prefill, self.history_len, positions)
+
+    def map_summary(self, positions: int) -> dict[str, int]:
+        return map_summary(self.layers, self.prefill, self.history_len, positions)

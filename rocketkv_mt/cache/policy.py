@@ -19,6 +19,7 @@ from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 from rocketkv_mt.config import BudgetSplit
 from tiers.base import Traffic
+from tiers.residency import ColdResidency
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,12 @@ class PrefillPolicy(Protocol):
         """Upper bound of the decode set's length during ``turn``."""
         ...
 
+    @staticmethod
+    def cold_tokens_written(turn: TurnSize) -> int:
+        """Upper bound of the tokens per KV head of one layer that ``turn`` writes to the cold tiers as new
+        pages (the host room its admission holds); none where nothing is kept off the device."""
+        return 0
+
     def begin_turn(self) -> None:
         """Before a turn's prefill, while ``CacheState.split`` is still the last turn's."""
 
@@ -189,3 +196,8 @@ class PrefillPolicy(Protocol):
     def cold_pages(self) -> int:
         """The most live cold pages one KV head has in one layer."""
         return 0
+
+    def cold_residency(self, layer: int) -> ColdResidency | None:
+        """Where a layer's cold tokens are (``tiers.residency``), for the memory map; None where this
+        policy keeps no token off the device (a token it does not hold there is gone)."""
+        return None

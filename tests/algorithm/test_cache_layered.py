@@ -114,3 +114,16 @@ def test_only_an_empty_cache_is_fed_layer_by_layer():
     with pytest.raises(RuntimeError, match="empty cache"):
         cache.begin_layered(100, 2)
     cache.release()
+
+
+@torch.inference_mode()
+def test_nothing_is_persisted_between_two_groups():
+    cache, _ = _pair("tiered", "persist")
+    inputs = layer_inputs(torch.Generator().manual_seed(9), 120)
+    cache.begin_layered(120, 2)
+    q, k, v = inputs[0]
+    cache.attend(0, q, k, v, 0.25)
+    with pytest.raises(RuntimeError, match="prefill is under way"):
+        cache.persist()
+    cache.undo_layered()
+    cache.release()

@@ -147,17 +147,32 @@ async def test_metrics_move_after_a_turn(server):
     assert after[("rkv_tier_bytes", (("tier", "device"),))] > 0
     for tier in ("host", "redis"):
         assert ("rkv_tier_bytes", (("tier", tier),)) in after
-    assert after[("rkv_tier_promotions_total", ())] >= 0 and after[("rkv_tier_demotions_total", ())] >= 0
-    assert after[("rkv_tier_spills_total", ())] >= 0
+    for move in ("promotion", "demotion", "spill"):
+        assert after[("rkv_tier_page_moves_total", (("move", move),))] >= 0
     # Bytes moved: per turn from the done event, per tier from the tiers' own counters (= /v1/stats).
-    for field in ("cold_bytes_read", "redis_bytes_read", "digest_bytes_read", "bytes_demoted", "redis_bytes_written"):
-        name = (f"rkv_turn_{field}_total", ())
-        assert after[name] - before.get(name, 0) == done["memory"][field], field
+    memory = done["memory"]
+    moved = {"host_to_device": memory["cold_bytes_read"] - memory["redis_bytes_read"],
+             "redis_to_device": memory["redis_bytes_read"], "device_to_host": memory["bytes_demoted"],
+             "to_redis": memory["redis_bytes_written"]}
+    for direction, nbytes in moved.items():
+        name = ("rkv_turn_moved_bytes_total", (("direction", direction),))
+        assert after[name] - before.get(name, 0) == nbytes, direction
+    digest = ("rkv_turn_digest_read_bytes_total", ())
+    assert after[digest] - before.get(digest, 0) == memory["digest_bytes_read"]
+    # Where the history was at the turn's end, per layer and KV head: the done event's map summary.
+    summary = done["memory_map"]
+    slots = summary["layers"] * summary["kv_heads"]
+    for tier in ("device", "host", "redis"):
+        name = ("rkv_turn_tokens_total", (("tier", tier),))
+        assert after[name] - before.get(name, 0) == pytest.approx(summary[tier] / slots), tier
+    assert after[("rkv_turn_tokens_total", (("tier", "device"),))] > 0
+    gaps = ("rkv_inter_token_latency_seconds_count", ())
+    assert after[gaps] - before.get(gaps, 0) == max(0, done["usage"]["generated_tokens"] - 1)
     stats = httpx.get(f"{server.url}/v1/stats").json()
     for tier in ("host", "redis"):
-        for field in ("bytes_read", "bytes_written"):
-            assert after[(f"rkv_tier_{field}_total", (("tier", tier),))] == stats[f"{tier}_{field}"] >= 0
-    assert after[("rkv_tier_spills_total", ())] == stats["spills"]
+        for field in ("read", "written"):
+            assert after[(f"rkv_tier_{field}_bytes_total", (("tier", tier),))] == stats[f"{tier}_bytes_{field}"] >= 0
+    assert after[("rkv_tier_page_moves_total", (("move", "spill"),))] == stats["spills"]
 
 
 class TrafficEngine:
@@ -198,13 +213,31 @@ def test_tier_and_turn_traffic_in_stats_and_metrics():
         app.state.metrics.observe({**done, "memory": {**memory, "bytes_demoted": 1}})
         values = metric_values(client.get("/metrics").text)
     for tier in ("host", "redis"):
-        for field in ("bytes_read", "bytes_written"):
-            assert values[(f"rkv_tier_{field}_total", (("tier", tier),))] == stats[f"{tier}_{field}"]
-    assert values[("rkv_tier_spills_total", ())] == 2
-    for field in ("cold_bytes_read", "redis_bytes_read", "digest_bytes_read", "redis_bytes_written"):
-        assert values[(f"rkv_turn_{field}_total", ())] == 2 * memory[field], field
-    assert values[("rkv_turn_bytes_demoted_total", ())] == 1024 + 1
+        for field in ("read", "written"):
+            assert values[(f"rkv_tier_{field}_bytes_total", (("tier", tier),))] == stats[f"{tier}_bytes_{field}"]
+    assert values[("rkv_tier_page_moves_total", (("move", "spill"),))] == 2
+    assert values[("rkv_tier_page_moves_total", (("move", "promotion"),))] == 1
+    assert values[("rkv_tier_page_moves_total", (("move", "demotion"),))] == 3 + 4
+    moved = {"host_to_device": 2 * (512 - 256), "redis_to_device": 2 * 256, "device_to_host": 1024 + 1,
+             "to_redis": 2 * 2048}
+    for direction, nbytes in moved.items():
+        assert values[("rkv_turn_moved_bytes_total", (("direction", direction),))] == nbytes, direction
+    assert values[("rkv_turn_digest_read_bytes_total", ())] == 2 * 64
     assert values[("rkv_readmitted_tokens_total", ())] == 6
+
+
+def test_refusals_are_counted_by_cause_and_every_error_by_code():
+    app = create_app(ServiceClient(LocalTransport(ChatService(TrafficEngine(HostTier(1 << 20, pin=False),
+                                                                              TierStats()), "fake")), "none", "fake"))
+    metrics = app.state.metrics
+    for code in ("device_memory_exhausted", "device_memory_exhausted", "rate_limited", "session_not_found"):
+        metrics.observe({"type": "error", "code": code, "message": "x"})
+    with TestClient(app) as client:
+        values = metric_values(client.get("/metrics").text)
+    assert values[("rkv_refusals_total", (("cause", "device_memory_exhausted"),))] == 2
+    assert values[("rkv_refusals_total", (("cause", "rate_limited"),))] == 1
+    assert ("rkv_refusals_total", (("cause", "session_not_found"),)) not in values  # not a refusal: an error
+    assert values[("rkv_errors_total", (("code", "session_not_found"),))] == 1
 
 
 async def test_another_process_restores_a_session_from_redis(loaded, redis_url):

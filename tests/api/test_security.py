@@ -35,7 +35,8 @@ def test_http_needs_a_valid_bearer_key_except_health_and_page(server):
                     {"Authorization": KEY_A}, {"Authorization": f"Bearer {KEY_A}x"}, {"Authorization": "Bearer"}):
         for method, path in [("GET", "/v1/sessions"), ("POST", "/v1/sessions"), ("GET", "/v1/models"),
                              ("POST", "/v1/chat/completions"), ("GET", "/metrics"), ("GET", "/openapi.json"),
-                             ("GET", "/v1/sessions/s_anything"), ("DELETE", "/v1/sessions/s_anything")]:
+                             ("GET", "/v1/sessions/s_anything"), ("DELETE", "/v1/sessions/s_anything"),
+                             ("GET", "/v1/sessions/s_anything/memory-map")]:
             r = httpx.request(method, url + path, headers=headers, json={})
             assert r.status_code == 401, (method, path, headers, r.text)
             assert code_of(r) == "unauthorized" and r.headers["www-authenticate"] == "Bearer"
@@ -56,7 +57,8 @@ async def test_a_session_answers_only_to_the_key_that_made_it(server):
         first, _ = await turn_until_done(chat, "My secret word is pineapple.")
 
     unknown = httpx.get(f"{url}/s_{uuid.uuid4().hex}", headers={**B, **token})
-    for method, path in [("GET", f"/{sid}"), ("GET", f"/{sid}/export"), ("DELETE", f"/{sid}")]:
+    for method, path in [("GET", f"/{sid}"), ("GET", f"/{sid}/export"), ("GET", f"/{sid}/memory-map"),
+                         ("DELETE", f"/{sid}")]:
         r = httpx.request(method, url + path, headers={**B, **token})
         # Exactly what an id that does not exist gets: nothing tells B the session is there.
         assert r.status_code == unknown.status_code == 404 and code_of(r) == code_of(unknown) == "session_not_found"

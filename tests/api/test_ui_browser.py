@@ -7,6 +7,7 @@ Selenium is pointed at the system driver, so it never tries to download one.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -218,3 +219,125 @@ def test_two_turn_chat_in_a_browser_shows_streamed_replies_and_memory_tiers(load
         finally:
             driver.quit()
     assert time.monotonic() - started < 120
+
+
+# The page's colours per state (api/static/memory_map.js, MAP_COLORS), as [r, g, b].
+MAP_COLORS = {"device": "#3b5bdb", "host": "#f08c00", "redis": "#c92a2a", "evicted": "#ced4da",
+              "unfed": "#f1f3f5", "lost": "#212529", "readmitted": "#40c057"}
+RGB = {state: [int(hex_[i : i + 2], 16) for i in (1, 3, 5)] for state, hex_ in MAP_COLORS.items()}
+PAGE_BYTES = 32 * 64 * 2 * 4  # one cold page of the bundled model: 32 tokens of one KV head, keys and values, fp32
+STORY = ("Mara kept the lighthouse on the north cape for eleven winters. The spare key to the lamp room "
+         "hangs on a hook shaped like a fish, behind the third step of the iron stair. Every evening she "
+         "wound the clockwork, trimmed the wick and wrote the weather in a green book. Ships passed far out, "
+         "and sometimes a gull rested on the rail and watched her work until the light turned. ") * 3
+
+
+def _runs(flat: list[int], states: list[str]) -> list[tuple[str, int, int]]:
+    out, at = [], 0
+    for state, length in zip(flat[::2], flat[1::2]):
+        out.append((states[state], at, at + length))
+        at += length
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+                    reason="needs /usr/bin/chromium and /usr/bin/chromedriver (apt-get install chromium chromium-driver)")
+async def test_the_memory_map_on_the_page_matches_the_api(loaded, redis_url, tmp_path, monkeypatch):
+    """A tiered session whose host tier spills to Redis: the canvas shows, cell by cell, the state the
+    API gives (device, host, Redis, the last turn's re-admissions), and hovering a band shows its text.
+    ``RKV_UI_MAP_SCREENSHOT=path.png`` copies the screenshot there (how docs/memory-map.png is made)."""
+    pytest.importorskip("selenium", reason="selenium is not installed (pip install selenium)")
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from serving_helpers import local_server
+
+    monkeypatch.setenv("SE_OFFLINE", "true")
+    settings = {"redis_url": redis_url, "redis_namespace": f"rkvtest-ui-{time.monotonic_ns()}",
+                "host_tier_bytes": 150 * PAGE_BYTES, "page_tokens": 32}
+    with local_server(loaded, **settings) as server:
+        driver = _driver(tmp_path)
+        try:
+            wait = WebDriverWait(driver, 90, poll_frequency=0.1, ignored_exceptions=[StaleElementReferenceException])
+
+            def until(condition, what):
+                try:
+                    return wait.until(lambda _: condition())
+                except TimeoutException:
+                    errors = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".error")]
+                    raise AssertionError(f"timed out waiting for {what}; errors shown: {errors}") from None
+
+            driver.get(server.url + "/")
+            Select(driver.find_element(By.ID, "mode")).select_by_value("tiered")
+            driver.find_element(By.ID, "budget").send_keys("64")
+            max_tokens = driver.find_element(By.ID, "max-tokens")
+            max_tokens.clear()
+            max_tokens.send_keys("12")
+            driver.find_element(By.ID, "new-session").click()
+            until(lambda: driver.find_element(By.ID, "message").is_enabled(), "the new session")
+            messages = [STORY + "Please remember this story.", "Now tell me something about the sea, briefly.",
+                        "Where does the spare key to the lamp room hang?"]
+            for turn, text in enumerate(messages, start=1):
+                driver.execute_script("const m = document.getElementById('message'); m.value = arguments[0];", text)
+                driver.find_element(By.ID, "send").click()
+                until(lambda n=turn: len(driver.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-state="done"]')) == n,
+                      f"reply {turn}")
+                until(lambda n=turn: driver.find_element(By.ID, "session-turns").text == str(n), f"turn {turn}")
+
+            sid, token = driver.execute_script(
+                "const s = JSON.parse(localStorage.getItem('rkv-mt.sessions'))[0]; return [s.session_id, s.token]")
+            mm = httpx.get(f"{server.url}/v1/sessions/{sid}/memory-map", headers={"x-session-token": token}).json()
+            summary = mm["summary"]
+            assert summary["device"] and summary["host"] and summary["redis"] and summary["readmitted"]
+            canvas = driver.find_element(By.ID, "map-canvas")
+            until(lambda: canvas.get_attribute("data-state") == "drawn"
+                  and int(canvas.get_attribute("data-positions")) == summary["positions"], "the map of the last turn")
+            for key in ("device", "host", "redis", "readmitted"):
+                assert int(canvas.get_attribute(f"data-{key}")) == summary[key], key
+
+            cols = driver.execute_script("return window.rkvMemoryMap.columns()")
+            assert cols["positions"] == summary["positions"]
+            # The page's own x of a position (JavaScript's Math.round: halves up).
+            col = lambda p: cols["left"] + math.floor(p * (cols["width"] - cols["left"]) / cols["positions"] + 0.5)  # noqa: E731
+            edges = {col(s["start"]) for s in mm["messages"]}
+            checked: dict[str, int] = {}
+            for index, row in enumerate(mm["rows"]):
+                again = {p for s, ln in zip(row["readmitted"][::2], row["readmitted"][1::2]) for p in range(s, s + ln)}
+                for state, start, end in _runs(row["runs"], mm["states"]):
+                    p = (start + end) // 2
+                    if col(end) - col(start) < 6 or any(abs(col(p) - e) <= 1 for e in edges) or any(
+                            abs(col(p) - col(q)) <= 1 for q in again):
+                        continue
+                    pixel = driver.execute_script("return window.rkvMemoryMap.pixel(arguments[0], arguments[1])", index, p)
+                    assert pixel == RGB[state], (row["layer"], row["head"], p, state, pixel)
+                    checked[state] = checked.get(state, 0) + 1
+                for p in sorted(again)[:3]:  # the last turn's re-admissions stand out
+                    if not any(abs(col(p) - e) <= 1 for e in edges):
+                        pixel = driver.execute_script("return window.rkvMemoryMap.pixel(arguments[0], arguments[1])",
+                                                      index, p)
+                        assert pixel == RGB["readmitted"], (row["layer"], row["head"], p, pixel)
+                        checked["readmitted"] = checked.get("readmitted", 0) + 1
+            assert {"device", "host", "redis", "readmitted"} <= set(checked), checked
+
+            # Hovering a band shows the text of its tokens: the story's cells, in the first row.
+            first = mm["messages"][0]
+            p = (first["start"] + first["end"]) // 2
+            where = driver.execute_script("return window.rkvMemoryMap.cellCentre(0, arguments[0])", p)
+            size = canvas.size
+            ActionChains(driver).move_to_element_with_offset(
+                canvas, round(where["x"] - size["width"] / 2), round(where["y"] - size["height"] / 2)).perform()
+            tip = driver.find_element(By.ID, "map-tip")
+            until(lambda: tip.is_displayed() and "layer 0, KV head 0" in tip.text, "the hover text")
+            assert any(word in tip.text for word in ("lighthouse", "key", "Mara", "winters", "lamp", "ships", "gull"))
+            severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            assert severe == [], severe
+
+            shot = tmp_path / "map.png"
+            assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+            if os.environ.get("RKV_UI_MAP_SCREENSHOT"):
+                shutil.copyfile(shot, os.environ["RKV_UI_MAP_SCREENSHOT"])
+        finally:
+            driver.quit()

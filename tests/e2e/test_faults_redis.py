@@ -12,10 +12,11 @@ import time
 import uuid
 
 import httpx
+import pytest
 import torch
-from serving_helpers import RedisServer, WsChat, local_server, session_detail, turn_until_done
+from serving_helpers import BlackHole, RedisServer, WsChat, local_server, session_detail, turn_until_done
 
-from tiers.host import HostTier
+from tiers.host import HostFull, HostTier
 from tiers.redis_client import RedisClient
 from tiers.redis_tier import RedisTier
 
@@ -96,29 +97,52 @@ def _page(seed: int, p: int = 8, d: int = 16) -> dict[str, torch.Tensor]:
     return {"keys": torch.randn(1, p, d, generator=g), "values": torch.randn(1, p, d, generator=g)}
 
 
-def test_the_host_tier_overflows_while_redis_is_down_and_spills_again_after(tmp_path):
-    """Spilling resumes: pages pushed while Redis is down stay in host memory (over the bound), none lost."""
+def test_the_host_tier_refuses_past_its_bound_while_redis_is_down_and_spills_again_after(tmp_path):
+    """Spilling resumes once a probe finds Redis back: pages refused while it was down were never taken
+    (the caller keeps them), the bound held throughout, and none of the pages taken is lost."""
     with RedisServer(tmp_path) as redis_server:
-        tier = RedisTier(RedisClient(redis_server.url, timeout_s=0.5), namespace=f"rkv-spill-{uuid.uuid4().hex[:6]}")
+        tier = RedisTier(RedisClient(redis_server.url, timeout_s=0.5, retry_s=0.2),
+                         namespace=f"rkv-spill-{uuid.uuid4().hex[:6]}")
         host = HostTier(capacity_bytes=2 * 2 * 8 * 16 * 4, redis=tier)
         try:
             pages = {i: _page(i) for i in range(8)}
             for i in range(3):
                 host.put_many("s", [f"c{i}"], pages[i])
-            assert host.stats.spills == 1 and host.overflow_slots == 0
+            assert host.stats.spills == 1
 
             redis_server.stop()
             for i in range(3, 6):
-                host.put_many("s", [f"c{i}"], pages[i])
-            assert host.overflow_slots == 3 and not tier.healthy and tier.last_error
+                with pytest.raises(HostFull):
+                    host.put_many("s", [f"c{i}"], pages[i])
+            assert host.stats.bytes <= host.capacity_bytes and not tier.healthy and tier.last_error
+            assert tier.client.breaker.opened == 1  # one failure opened it; the others failed at once
 
             redis_server.start()
+            time.sleep(0.3)  # past the circuit's backoff: the next spill is its probe
             for i in range(6, 8):
                 host.put_many("s", [f"c{i}"], pages[i])
-            assert host.stats.spills == 3 and tier.healthy  # spilling again, the pool no longer grows
-            assert host.overflow_slots == 3
-            for i, page in pages.items():  # every page readable, from wherever it is
+            assert host.stats.spills == 3 and tier.healthy and tier.client.breaker.state == "closed"
+            for i, page in pages.items():  # every page taken readable, from wherever it is
+                if i in (3, 4, 5):
+                    assert host.where("s", f"c{i}") == "none"
+                    continue
                 got, _ = host.read_many("s", [f"c{i}"])
                 assert torch.equal(got["keys"], page["keys"]) and torch.equal(got["values"], page["values"])
+            assert host.stats.bytes <= host.capacity_bytes
         finally:
             tier.close()
+
+
+def test_healthz_answers_degraded_at_once_while_redis_accepts_and_never_answers(loaded):
+    """A Redis that hangs (here: a socket that accepts and never answers) must not hang the health
+    probe: ``/healthz`` says ``degraded`` within a second, every time, and ``/metrics`` shows the open
+    circuit once the first call's timeout opened it."""
+    with BlackHole() as hole, local_server(loaded, redis_url=hole.url, redis_timeout_s=1.0) as srv:
+        for _ in range(4):
+            start = time.monotonic()
+            r = httpx.get(f"{srv.url}/healthz", timeout=5)
+            assert time.monotonic() - start < 1.0
+            assert r.status_code == 200 and r.json()["status"] == "degraded" and r.json()["redis"]["ok"] is False
+            time.sleep(0.5)
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=5).text
+        assert "rkv_redis_circuit_open 1.0" in metrics and "rkv_redis_circuit_opens_total 1.0" in metrics

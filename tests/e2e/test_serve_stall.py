@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 async def test_streams_go_on_while_a_long_message_is_prefilled(loaded, turn):
     args = argparse.Namespace(
         sessions=2, stall_tokens=400, stall_reply_tokens=600, stall_baseline=2.0, mode="rocketkv", budget=64,
-        api_key=None, json_out=None, stall_turn=turn, stall_history=120,
+        api_key=None, json_out=None, stall_turn=turn, stall_history=120, quiet=False,
     )
     with local_server(loaded, prefill_chunk=32) as server:
         args.url = server.url

@@ -12,7 +12,7 @@ from bench.common import Engines
 pytestmark = pytest.mark.slow
 
 
-def test_scaling_reports_medians_of_repeated_conversations(tmp_path, monkeypatch):
+def test_scaling_reports_medians_of_repeated_conversations(tmp_path, monkeypatch, capfd):
     open_engines = []
     alone = Engines.alone
 
@@ -23,8 +23,10 @@ def test_scaling_reports_medians_of_repeated_conversations(tmp_path, monkeypatch
 
     monkeypatch.setattr(Engines, "alone", spy)
     args = argparse.Namespace(lengths="400", modes="full,tiered-digest", budget=64, max_tokens=4, redis_url=None,
-                              host_tier_bytes=None, repeats=2, json_out=str(tmp_path / "s.json"), plot=None)
+                              host_tier_bytes=None, repeats=2, json_out=str(tmp_path / "s.json"), plot=None,
+                              quiet=False)
     assert scaling.main(args) == 0
+    assert "bench scaling" not in capfd.readouterr().err  # stderr is no terminal here: no progress bar
     result = json.loads((tmp_path / "s.json").read_text())
     assert result["repeats"] == 2
     (row,) = result["lengths"]

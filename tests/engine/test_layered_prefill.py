@@ -4,6 +4,7 @@ device budget of their bounds alone (no whole-prompt extra); stopped between two
 disconnect, a device-memory refusal), the session is as it was before the turn, and its next turn
 goes as if the stopped one had never been sent."""
 import asyncio
+import time
 
 import pytest
 import torch
@@ -67,6 +68,8 @@ async def test_two_long_first_prompts_prefill_together_within_their_bounds(make_
     a_done, b_done, c_done = await asyncio.gather(streaming(), long_turn(b, texts[0]), long_turn(c, texts[1]))
     assert [reply_ids(b, b_done), reply_ids(c, c_done)] == want  # exactly a whole prefill's tokens
     assert a_done.usage.generated_tokens == 40
+    # Each prompt's tokens count once (not once a layer).
+    assert engine.batcher.stats.prefill_tokens == sum(d.usage.prefilled_tokens for d in (a_done, b_done, c_done))
     stats = engine.stats()
     assert stats["turns_refused_device_memory"] == 0 and stats["device_reservation_overruns"] == 0
     assert 0 < stats["peak_device_bytes"] <= mem.budget
@@ -141,3 +144,31 @@ async def test_a_first_turn_stopped_between_slices_leaves_the_session_as_before(
     assert stopped.cache.kept_tokens() == reference.cache.kept_tokens()
     for x, y in zip(stopped.cache.layers, reference.cache.layers):
         assert torch.equal(x.positions, y.positions)
+
+
+async def test_a_first_turn_cancelled_before_its_first_slice_never_runs(make_engine):
+    engine = make_engine(prefill_chunk=CHUNK)
+    session = engine.create_session(mode="tiered", budget=64)
+    engine.batcher.submit(lambda: time.sleep(1.0))  # the model thread is busy when the turn arrives
+    task = asyncio.ensure_future(run_turn(engine, session.id, message(engine, 5, 230)))
+    await asyncio.sleep(0.3)
+    engine.cancel(session.id)
+    done = await task
+    stats = engine.batcher.stats
+    assert done.finish_reason == "cancelled" and done.usage.generated_tokens == 0
+    assert stats.layered_slices == 0 and stats.prefills_stopped == 1 and stats.prefills == 0
+    assert session.messages == [] and session.token_ids == [] and session.cache.history_len == 0
+    assert not session.busy and session.id not in engine.memory_account.reserved
+
+
+async def test_a_model_not_of_llama_layout_feeds_a_first_prompt_in_chunks(make_engine):
+    engine = make_engine(prefill_chunk=CHUNK)
+    engine.runner.layerable = engine.memory_account.layered = False  # as ModelRunner says for such a model
+    session = engine.create_session(mode="rocketkv", budget=64)
+    text = message(engine, 5, 230)
+    n = len(engine._turn_ids(session, text))
+    mem = engine.memory_account
+    assert mem.turn_bound(session, n, 8, prefill_chunk=CHUNK) > mem.turn_bound(session, n, 8)  # the chunks' extra
+    done = await run_turn(engine, session.id, text)
+    stats = engine.batcher.stats
+    assert done.usage.generated_tokens > 0 and stats.layered_slices == 0 and stats.prefill_chunks >= 3

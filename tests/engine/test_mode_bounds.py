@@ -6,7 +6,7 @@ import torch
 
 from app.engine.memory import DeviceMemory
 from app.engine.session import Session
-from app.engine.layer_prefill import layered
+from app.engine.steps import by_layer
 from cache_drive import SPEC, forward, forward_layered, layer_inputs, tier_context
 from rocketkv_mt.cache import CACHE_MODES, TierPolicy, cache_mode, make_cache
 from rocketkv_mt.config import RocketKVConfig
@@ -46,7 +46,7 @@ def run_turn(
 
     fed = len(session.token_ids) - cache.history_len
     last, chunks = cache.last_chunk_min(), 0
-    if last is not None and layered(cache.history_len, fed, chunk):
+    if by_layer(cache.history_len, fed, chunk, last is not None):
         forward_layered(cache, layer_inputs(gen, fed), max_new=max_new, rows=chunk, on_group=measure)
         chunks, fed = SPEC.num_layers * -(-fed // chunk) - 1, 0
     while chunk and last is not None and fed > chunk and min(chunk, fed - last) > 0:

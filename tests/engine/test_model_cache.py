@@ -1,6 +1,7 @@
 """The bundled GGUF is dequantized once; later loads in new processes read the safetensors cache."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -29,12 +30,14 @@ def run_load(cache_dir) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", LOAD, str(cache_dir)], capture_output=True, text=True, env=env, timeout=300, check=True
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
 
 
 def test_second_load_reads_safetensors_cache(tmp_path):
     first = run_load(tmp_path)
     assert first["source"] == "gguf" and first["gguf_reads"] > 0
+    # Its stderr is a pipe, not a terminal: the conversion's progress bar wrote nothing there.
+    assert not re.search(r"converting \S+\.gguf \(once\)", first["stderr"])
     assert any(p.suffix == ".safetensors" for p in (tmp_path / "models").rglob("*"))
     second = run_load(tmp_path)
     assert second["source"] == "safetensors-cache"

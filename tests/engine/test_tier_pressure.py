@@ -1,4 +1,5 @@
-"""A tiered session under host-tier pressure gives the same replies as one with room to spare.
+"""A tiered session under host-tier pressure gives the same replies as one with room to spare, and is
+refused, unchanged, when Redis goes and its cold history no longer fits anywhere.
 
 The host tier is smaller than one layer's cold history, so every turn spills pages to Redis and reads
 pages back from it, often more in one read than the pool holds. A page handed to attention must still
@@ -8,6 +9,7 @@ import secrets
 
 import pytest
 
+from app.engine.errors import HostMemoryExhausted
 from app.engine.replay import replayable
 from app.engine.sampling import SamplingParams
 from bench.haystack import hide
@@ -38,7 +40,6 @@ async def test_a_host_tier_smaller_than_one_layers_cold_history_changes_no_reply
     assert history >= 4000
     one_layer_cold = (history - roomy.cache.kept_tokens()) * 3 * 64 * 2 * 4
     assert TIGHT < one_layer_cold
-    assert roomy.cache.prefill.tiers.host.overflow_slots == 0
     # The session's log accounts for every token its cache was fed: one feed per turn.
     assert len(roomy.feeds) == 3 and replayable(roomy.feeds, roomy.cache.history_len)
 
@@ -48,21 +49,21 @@ async def test_a_host_tier_smaller_than_one_layers_cold_history_changes_no_reply
         tight, dones = await run(engine)
         assert tight.token_ids == roomy.token_ids
         host = engine.host_tier
-        assert host.stats.spills > 0 and host.overflow_slots == 0 and host.stats.bytes <= TIGHT
+        assert host.stats.spills > 0 and host.stats.bytes <= TIGHT
         assert all(d.memory.redis_bytes_read > 0 for d in dones[1:])  # later turns read pages back from Redis
         engine.delete_session(tight.id)
 
-        # Redis stops after the first turn. The pages only Redis held are gone with it, so the next turn
-        # rebuilds the cache by feeding the earlier turns again as they were fed (the same turn, no
-        # error), and the replies stay the same; from then on pages no longer spill: the host tier
-        # grows past its bound instead of losing one.
+        # Redis stops after the first turn. The pages only Redis held are gone with it, and rebuilding the
+        # cache would take far more than the host tier holds, with nowhere to spill: the next turn is
+        # refused with host_memory_exhausted, the session as it was, the host tier within its bound.
         engine = make_engine(redis_url=redis_server.url, redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
-                             host_tier_bytes=TIGHT)
-        engine.redis.client.timeout_s = 0.3
-        outage, dones = await run(engine, stop_after_first=redis_server.stop)
-        assert outage.token_ids == roomy.token_ids
-        assert dones[1].usage.prefilled_tokens > history and dones[2].usage.prefilled_tokens < 40
-        assert all(d.usage.generated_tokens > 0 for d in dones)
-        assert engine.host_tier.overflow_slots > 0 and not engine.redis.healthy
-        assert [m["role"] for m in outage.messages] == ["user", "assistant"] * 3
-        assert not any(m.get("error") for m in outage.messages)
+                             host_tier_bytes=TIGHT, redis_timeout_s=0.3)
+        session = engine.create_session(mode="tiered")
+        await engine.complete(session.id, FIRST, PARAMS)
+        redis_server.stop()
+        before = list(session.messages), list(session.token_ids)
+        with pytest.raises(HostMemoryExhausted):
+            await engine.complete(session.id, LATER[0], PARAMS)
+        assert (session.messages, session.token_ids) == before and not session.busy
+        assert engine.host_tier.stats.bytes <= TIGHT and not engine.redis.healthy
+        assert engine.stats()["turns_refused_host_memory"] == 1

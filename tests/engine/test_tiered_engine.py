@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from app.engine.errors import HostMemoryExhausted
 from app.engine.events import TextDelta
 from app.engine.sampling import SamplingParams
 from bench.haystack import hide
@@ -51,7 +52,7 @@ async def test_every_position_is_in_exactly_one_tier_after_every_turn(make_engin
                 for head in range(cache.spec.num_kv_heads):
                     assert torch.equal(positions_held(cache, layer, head), torch.arange(cache.history_len)), (layer, head)
             assert done.memory.device_bytes > 0 and done.memory.host_bytes > 0
-        assert engine.host_tier.stats.spills > 0 and engine.host_tier.overflow_slots == 0
+        assert engine.host_tier.stats.spills > 0 and engine.host_tier.stats.bytes <= engine.host_tier.capacity_bytes
         assert done.memory.redis_bytes > 0
         assert session.turns[1].readmitted_tokens > 0  # a later turn brought cold tokens back
     finally:
@@ -141,39 +142,47 @@ async def test_device_memory_is_bounded_while_full_and_mt_grow(make_engine):
     assert history["tiered"][-1] - history["tiered"][0] < (history["full"][-1] - history["full"][0]) / 2
 
 
-async def test_redis_outage_is_reported_not_raised(make_engine):
-    engine = make_engine(mode="tiered", token_budget=128, redis_url="redis://127.0.0.1:1/0", host_tier_bytes=1 << 20)
-    engine.redis.client.timeout_s = 0.3
+async def test_a_redis_outage_is_reported_and_the_host_tiers_bound_holds(make_engine):
+    engine = make_engine(mode="tiered", token_budget=128, redis_url="redis://127.0.0.1:1/0", host_tier_bytes=1 << 20,
+                         redis_timeout_s=0.3)
     session = engine.create_session()
-    done = await engine.complete(session.id, FIRST, PARAMS)
+    # The first try is stopped when a spill finds Redis down, the second refused at admission (its circuit
+    # is open): either way the session is as before, and the host tier within its bound.
+    for _ in range(2):
+        with pytest.raises(HostMemoryExhausted):
+            await engine.complete(session.id, FIRST, PARAMS)
+        assert session.messages == [] and session.token_ids == [] and not session.busy
+        assert engine.host_tier.stats.bytes <= engine.host_tier.capacity_bytes
+    assert engine.redis.healthy is False and engine.redis.stats.errors > 0 and engine.redis.unavailable()
+    assert engine.host_tier.stats.bytes == 0 and engine.stats()["turns_refused_host_memory"] == 2
+    done = await engine.complete(session.id, "Say hello.", PARAMS)  # a turn that demotes nothing goes on
     assert done.usage.generated_tokens > 0
-    assert engine.redis.healthy is False and engine.redis.stats.errors > 0
-    assert engine.host_tier.overflow_slots > 0  # kept in host memory rather than lost
-    done = await engine.complete(session.id, LATER[0], PARAMS)
-    assert done.usage.prefilled_tokens < 40
 
 
 async def test_cold_chunks_lost_with_redis_are_rebuilt_in_the_same_turn(make_engine, tmp_path):
     from serving_helpers import RedisServer
 
     with RedisServer(tmp_path) as redis_server:
-        # A host tier of 288 pages: most of the first turn's cold history spills to this private Redis.
+        # A host tier of 2,000 pages: a longer session after the first spills all of the first one's pages
+        # to this private Redis; once that one is deleted, the host tier has room to rebuild the first.
         engine = make_engine(mode="tiered", token_budget=128, redis_url=redis_server.url,
                              redis_namespace=f"rkvtest-{secrets.token_hex(3)}",
-                             host_tier_bytes=288 * PAGE_BYTES, page_tokens=32)
-        engine.redis.client.timeout_s = 0.3
-        session = engine.create_session()
+                             host_tier_bytes=2000 * PAGE_BYTES, page_tokens=32, redis_timeout_s=0.3)
+        session, other = engine.create_session(), engine.create_session()
         try:
             await engine.complete(session.id, FIRST, PARAMS)
-            assert engine.host_tier.stats.spills > 0
+            await engine.complete(other.id, hide(FACTS, 1800, [0.3, 0.6], seed=9) + "\n\nWhich doors?", PARAMS)
+            assert engine.host_tier.stats.spills > 0 and engine.host_tier.session_bytes(session.id) == 0
             history = len(session.token_ids)
             redis_server.stop()
+            engine.delete_session(other.id)
             done = await engine.complete(session.id, LATER[0], PARAMS)
             # The spilled chunks were unreadable: the turn re-prefilled the whole history and answered.
             assert done.finish_reason in ("stop", "length") and done.usage.generated_tokens > 0
             assert done.usage.prefilled_tokens > history
             assert [m["role"] for m in session.messages] == ["user", "assistant"] * 2
             assert not any(m.get("error") for m in session.messages)
+            assert engine.host_tier.stats.bytes <= engine.host_tier.capacity_bytes
             cache = session.cache
             for layer in (0, len(cache.layers) - 1):
                 assert torch.equal(positions_held(cache, layer, 0), torch.arange(cache.history_len))

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from tiers.host import HostTier
+from tiers.host import HostFull, HostTier
 from tiers.redis_client import RedisClient
 from tiers.redis_tier import RedisTier, decode_tensors, encode_tensors
 
@@ -91,7 +91,7 @@ def test_host_bound_holds_and_spill_promote_keeps_every_byte(redis_tier):
     for cid, page in pages.items():
         assert host.put_many("s2", [cid], stacked(page)) == PAGE_BYTES
         assert host.stats.bytes <= host.capacity_bytes
-    assert host.stats.entries == 3 and host.stats.spills == 7 and host.overflow_slots == 0
+    assert host.stats.entries == 3 and host.stats.spills == 7
     assert {host.where("s2", cid) for cid in pages} == {"host", "redis"}
     for cid, page in pages.items():  # reading spilled pages promotes them back, spilling others
         got, from_redis = host.read_many("s2", [cid])
@@ -108,7 +108,7 @@ def test_a_read_larger_than_the_host_tier_returns_every_page_intact(redis_tier):
     pages = {f"c{i}": make_page(100 + i) for i in range(12)}
     host = HostTier(capacity_bytes=4 * PAGE_BYTES, redis=redis_tier)
     host.put_many("s2", list(pages), stacked(*pages.values()))
-    assert host.overflow_slots == 0 and host.stats.spills >= 8
+    assert host.stats.bytes <= host.capacity_bytes and host.stats.spills >= 8
     order = ["c3", "c11", "c0", "c7", "c1", "c10", "c2", "c9", "c4", "c8", "c5", "c6", "c3"]
     got, from_redis = host.read_many("s2", order)
     assert from_redis > 0
@@ -117,20 +117,41 @@ def test_a_read_larger_than_the_host_tier_returns_every_page_intact(redis_tier):
     host.free_many("s2", list(pages))
 
 
-def test_redis_down_host_keeps_working_and_reports():
+def test_redis_down_host_keeps_its_bound_and_every_page_it_took():
     dead = RedisTier(RedisClient(DEAD_URL, timeout_s=0.3), namespace="rkvtest-dead")
     try:
         assert dead.put_pages("s", {"c": make_page(3)}) is False
         assert dead.healthy is False and dead.stats.errors >= 1 and dead.last_error
         host = HostTier(capacity_bytes=2 * PAGE_BYTES, redis=dead)
-        for i in range(4):
+        for i in range(2):
             host.put_many("s", [f"c{i}"], stacked(make_page(i)))
-        # Nothing could spill: the host tier goes over its bound rather than lose a token.
-        assert host.overflow_slots == 2
-        got, _ = host.read_many("s", [f"c{i}" for i in range(4)])
-        assert all(same({k: t[i] for k, t in got.items()}, make_page(i)) for i in range(4))
+        # Nothing can spill: a page past the bound is refused, whole, and the tier stays within it.
+        with pytest.raises(HostFull, match="Redis is unavailable"):
+            host.put_many("s", ["c2", "c3"], stacked(make_page(2), make_page(3)))
+        assert host.stats.bytes == 2 * PAGE_BYTES and host.exhausted == 1
+        assert [host.where("s", f"c{i}") for i in range(4)] == ["host", "host", "none", "none"]
+        got, _ = host.read_many("s", ["c0", "c1"])
+        assert all(same({k: t[i] for k, t in got.items()}, make_page(i)) for i in range(2))
     finally:
         dead.close()
+
+
+def test_without_redis_a_store_past_the_bound_is_refused_and_reservations_hold_room():
+    host = HostTier(capacity_bytes=4 * PAGE_BYTES, page_bytes=PAGE_BYTES)
+    assert host.max_slots == 4 and host.reserve("a", 3)
+    assert not host.reserve("b", 2) and host.refused == 1  # only one slot is not held for "a"
+    with pytest.raises(HostFull, match="no Redis"):
+        host.put_many("b", ["p0", "p1"], stacked(make_page(0), make_page(1)))
+    host.put_many("b", ["p0"], stacked(make_page(0)))  # the one slot nobody holds
+    host.put_many("a", ["p0", "p1", "p2"], stacked(*(make_page(i) for i in range(3))))
+    assert host.stats.bytes == 4 * PAGE_BYTES == host.capacity_bytes
+    with pytest.raises(HostFull):
+        host.put_many("a", ["p3"], stacked(make_page(3)))
+    host.free_many("b", ["p0"])  # a freed slot serves the next store
+    host.release("a")
+    assert host.reserve("b", 1) and host.put_many("b", ["p1"], stacked(make_page(1))) == PAGE_BYTES
+    assert host.session_bytes("a") == 3 * PAGE_BYTES and host.session_bytes("b") == PAGE_BYTES
+    assert host.drop_session("a") == 3 and host.session_bytes("a") == 0 and host.stats.bytes == PAGE_BYTES
 
 
 def test_host_tier_calls_run_one_at_a_time():

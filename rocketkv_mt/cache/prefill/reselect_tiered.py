@@ -33,6 +33,7 @@ from rocketkv_mt.standin import StandIn, beside, standin_pages
 from rocketkv_mt.take_rows import take_rows
 from tiers.base import batch_nbytes
 from tiers.cold_layer import ColdLayer, Sketched
+from tiers.residency import ColdResidency
 
 
 def read_bytes(cand: tuple) -> int:
@@ -184,6 +185,8 @@ class ReselectTiered(PrefillPolicy):
         self._whole = [None] * len(self._whole)
         self._drop_prefetched()
         self.settle()
+        for cold in self.cold:  # the memory map's "moved by the last turn" starts here
+            cold.new_turn()
 
     def chunkable(self) -> bool:
         # The cold pages a turn reads, and with ``selected`` what every new token attends to, follow
@@ -530,11 +533,22 @@ class ReselectTiered(PrefillPolicy):
     def decode_tokens(turn: TurnSize) -> int:
         return turn.kept_after
 
+    @staticmethod
+    def cold_tokens_written(turn: TurnSize) -> int:
+        """A layer's one selection a turn keeps the prompt budget out of the device's tokens and the cold
+        ones it promotes; the device's others are demoted, and a token that was cold before goes back to
+        its page: at most the device's tokens past the budget, plus as many as it could promote."""
+        device, budget = turn.kept + turn.new, turn.split.prompt_budget
+        return 0 if device <= budget else device - budget + min(budget, max(0, turn.fed - turn.kept))
+
     def cold_tokens(self) -> int:
         return self.cold[0].alive_count()
 
     def cold_pages(self) -> int:
         return max(cold.live_page_count() for cold in self.cold)
+
+    def cold_residency(self, layer: int) -> ColdResidency:
+        return self.cold[layer].residency()
 
     def cold_bytes(self) -> dict[str, int]:
         host, sid = self.tiers.host, self.tiers.session_id
