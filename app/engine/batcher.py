@@ -164,9 +164,10 @@ class Batcher:
         Fed in chunks or layer by layer, it checks ``gate`` between two of them: when the check
         raises, or the caller is cancelled, the prefill is taken back (``gate.undone``) and this
         raises that exception (or the cancellation)."""
-        # Read while the session's turn holds its cache: no step touches it before this request runs.
-        layered = by_layer(cache.history_len, len(ids), self.prefill_chunk,
-                           self.runner.layerable and cache.last_chunk_min() is not None)
+        # Read while the session's turn holds its cache: no step touches it before this request runs (and
+        # only for a prompt long enough to be split at all).
+        layered = 0 < self.prefill_chunk < len(ids) and by_layer(
+            cache.history_len, len(ids), self.prefill_chunk, self.runner.layerable and cache.last_chunk_min() is not None)
         return await self._request(Request(key, cache, list(ids), prefill=True, max_new=max_new, gate=gate,
                                            sampler=sampler, by_layer=layered))
 
