@@ -39,6 +39,12 @@ ABOUT = {
     "capacity": "Sessions one replica keeps on its device (`rocketkv-mt bench capacity`): sessions with a "
                 "long first message are admitted by the engine's own admission control, one by one, until "
                 "it refuses one; parking is off.",
+    "prefill-peak": "What a long first turn holds on the device while it is prefilled (`rocketkv-mt bench "
+                    "prefill-peak`), fed layer by layer as the engine feeds it: the session's peak (KV, KT and "
+                    "what its policies hold, read after every group of rows) beside the admission bound the "
+                    "engine reserves for the turn, and with the prefill's scratch (hidden states, rotary "
+                    "tables, one group's MLP and attention workspace: measured on CUDA, computed from the "
+                    "shapes on a CPU).",
     "ttft": "Time to first token of a later turn (`rocketkv-mt bench ttft`): a stateful session against "
             "the same conversation re-prefilled from scratch, as a stateless server would.",
     "serve": "A running server under load (`rocketkv-mt bench serve`). Load runs: concurrent WebSocket "
@@ -156,6 +162,17 @@ def _capacity(d: dict) -> list[str]:
                            "admission bound a turn"], rows)
 
 
+def _prefill_peak(d: dict) -> list[str]:
+    rows = [[f"`{mode}`", _mb(m["peak_session_bytes"]), f"{d.get('peak_over_full', {}).get(mode, '–')}",
+             _mb(m["admission_bound_bytes"]), _mb(m["peak_with_scratch_bytes"]), _mb(m["held_after_bytes"]),
+             f"{m['prefill_s']:.0f} s"] for mode, m in d["modes"].items()]
+    lines = [f"A {d['context']:,}-token first turn, model {d['model']}, {d['device']}, token budget "
+             f"{d['token_budget']}, groups of {d['rows_per_group']} rows; scratch "
+             f"{next(iter(d['modes'].values()))['scratch']}.", ""]
+    return lines + _table(["mode", "session peak", "of full's", "admission bound", "peak with scratch",
+                           "held after", "prefill"], rows)
+
+
 def _ttft(d: dict) -> list[str]:
     st = d["stateful"]
     rows = [[f"stateful `{d['mode']}`", _ms(st["ttft_ms"]), st["prefilled_tokens"], "1"]]
@@ -250,7 +267,7 @@ def _fields(d: dict) -> list[str]:
 
 TABLES: dict[str, Callable[[dict], list[str]]] = {
     "eval": _eval, "needle": _needle, "fidelity": _fidelity, "history-swap": _history_swap, "scaling": _scaling,
-    "decode": _decode, "capacity": _capacity, "ttft": _ttft, "serve": _serve, "stall": _stall, "rounds": _rounds,
+    "decode": _decode, "capacity": _capacity, "prefill-peak": _prefill_peak, "ttft": _ttft, "serve": _serve, "stall": _stall, "rounds": _rounds,
     "hsa": _hsa, "linear": _linear, "ops": _ops,
 }
 

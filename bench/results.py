@@ -11,8 +11,8 @@ RESULTS = ROOT / "results"
 
 # Benchmarks in the order the report lists them: what a user weighs first (recall, then speed and
 # memory) before the lower-level timings. A folder not named here is listed after them.
-ORDER = ("eval", "needle", "fidelity", "history-swap", "scaling", "decode", "capacity", "ttft", "serve",
-         "rounds", "hsa", "linear", "ops", "gpu")
+ORDER = ("eval", "needle", "fidelity", "history-swap", "scaling", "decode", "capacity", "prefill-peak", "ttft",
+         "serve", "rounds", "hsa", "linear", "ops", "gpu")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ def kind(data: dict, path: Path | None = None) -> str:
         return "scaling"
     if "device_budget" in data and isinstance(modes, dict):
         return "capacity"
+    if "rows_per_group" in data and isinstance(modes, dict):
+        return "prefill-peak"
     if isinstance(modes, dict) and any("per_turn_accuracy" in m for m in modes.values()):
         return "eval"
     if "per_length" in data:
