@@ -2,7 +2,9 @@
 through ``Engine.chat``, and the ids of the reply it generated."""
 from __future__ import annotations
 
-from app.engine.events import TurnDone
+import asyncio
+
+from app.engine.events import TextDelta, TurnDone
 from app.engine.sampling import SamplingParams
 from bench.common import fit_words
 from bench.haystack import filler_text
@@ -16,6 +18,18 @@ def message(engine, seed: int, words: int) -> str:
 async def run_turn(engine, sid: str, text: str, params: SamplingParams) -> TurnDone:
     async for event in await engine.chat(sid, text, params):
         if isinstance(event, TurnDone):
+            return event
+
+
+async def stream(engine, sid: str, text: str, params: SamplingParams, started: asyncio.Event, after: int) -> TurnDone:
+    """A turn run to its end while it streams; ``started`` is set once ``after`` deltas have come."""
+    deltas = 0
+    async for event in await engine.chat(sid, text, params):
+        if isinstance(event, TextDelta):
+            deltas += 1
+            if deltas == after:
+                started.set()
+        else:
             return event
 
 

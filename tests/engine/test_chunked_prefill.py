@@ -199,21 +199,12 @@ async def test_decode_goes_on_in_the_steps_that_feed_a_long_prefill(make_engine,
     engine.runner.step = lambda segs: (segments.append([(g.cache, g.prefill, len(g.ids)) for g in segs]), run_step(segs))[1]
     started = asyncio.Event()
 
-    async def streaming():
-        deltas = 0
-        async for event in await engine.chat(a.id, first, long_reply):
-            if isinstance(event, TextDelta):
-                deltas += 1
-                if deltas == 3:
-                    started.set()
-            else:
-                return event
-
     async def long_prefill():
         await started.wait()
         return await run_turn(engine, b.id, message(engine, 4, 230))
 
-    a_done, b_done = await asyncio.gather(streaming(), long_prefill())
+    a_done, b_done = await asyncio.gather(turn_helpers.stream(engine, a.id, first, long_reply, started, 3),
+                                          long_prefill())
     assert (reply_ids(a, a_done), reply_ids(b, b_done)) == want
     with_b = [keys for keys in steps if b.id in keys]
     assert len(with_b) >= 6  # 5 prefill steps and decode

@@ -11,7 +11,7 @@ import torch
 
 from app.engine import batcher as batcher_module
 from app.engine.errors import DeviceMemoryExhausted
-from app.engine.events import TextDelta, TurnDone
+from app.engine.events import TurnDone
 from app.engine.sampling import SamplingParams
 from app.engine.steps import StepLog
 import turn_helpers
@@ -51,21 +51,12 @@ async def test_two_long_first_prompts_prefill_together_within_their_bounds(make_
     engine.batcher.step_log = StepLog()
     started = asyncio.Event()
 
-    async def streaming():
-        deltas = 0
-        async for event in await engine.chat(a.id, a_text, stream):
-            if isinstance(event, TextDelta):
-                deltas += 1
-                if deltas == 2:
-                    started.set()
-            else:
-                return event
-
     async def long_turn(session, text):
         await started.wait()
         return await run_turn(engine, session.id, text)
 
-    a_done, b_done, c_done = await asyncio.gather(streaming(), long_turn(b, texts[0]), long_turn(c, texts[1]))
+    a_done, b_done, c_done = await asyncio.gather(turn_helpers.stream(engine, a.id, a_text, stream, started, 2),
+                                                  long_turn(b, texts[0]), long_turn(c, texts[1]))
     assert [reply_ids(b, b_done), reply_ids(c, c_done)] == want  # exactly a whole prefill's tokens
     assert a_done.usage.generated_tokens == 40
     # Each prompt's tokens count once (not once a layer).
