@@ -369,9 +369,13 @@ class Batcher:
             with self._cond:
                 self._layered.remove(req)
             req.future.set_result(token)
+        self._report([req.key])  # the cache's size after the slice: the peak, and an outgrown bound
+
+    def _report(self, keys: list[str]) -> None:
+        """Hand the sessions a step or slice touched to ``on_step`` (the engine's memory accounting)."""
         if self.on_step is not None:
             try:
-                self.on_step([req.key])  # the cache's size after the slice: the peak, and an outgrown bound
+                self.on_step(keys)
             except Exception:  # noqa: BLE001 - accounting must not break serving
                 log.exception("step accounting failed")
 
@@ -486,11 +490,7 @@ class Batcher:
         st.decode_tokens += len(batch) - len(prefills)
         st.decode_steps += len(prefills) < len(batch)
         st.mixed_steps += bool(prefills and len(prefills) < len(batch))
-        if self.on_step is not None:
-            try:
-                self.on_step([r.key for r, _ in batch])
-            except Exception:  # noqa: BLE001 - accounting must not break serving
-                log.exception("step accounting failed")
+        self._report([r.key for r, _ in batch])
         self._last_step_s = time.perf_counter() - t0
         st.busy_s += self._last_step_s
 

@@ -212,9 +212,7 @@ class ComposedCache:
             if self._chunked_from is not None:  # a chunk: nothing is selected until the prefill has ended
                 store = self.layers[layer]
                 out = dense_attention(q, store.keys, store.values, scaling)
-                before = self._window_tail.pop(layer, None)
-                tail = q if before is None or q.shape[1] >= self.split.window_size else torch.cat([before, q], dim=1)
-                tail = self.split.window_of(tail).clone()
+                tail = self._window_with(layer, q)
                 if self.step.rest:
                     self._window_tail[layer] = tail
                 else:  # the last chunk: the window selects, later (``select_pending``)
@@ -236,15 +234,20 @@ class ComposedCache:
         start = self.history_len + fed
         store.append(k, v, torch.arange(start, start + n, device=self.spec.device))
         out = dense_attention(q, store.keys, store.values, scaling)
-        before = self._window_tail.pop(layer, None)
-        tail = q if before is None or n >= self.split.window_size else torch.cat([before, q], dim=1)
-        tail = self.split.window_of(tail).clone()
+        tail = self._window_with(layer, q)
         self._layered[layer] = fed + n
         if fed + n < total:
             self._window_tail[layer] = tail
         else:
             self.prefill.select(layer, tail, scaling)
         return out
+
+    def _window_with(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The layer's last (up to w) prefill queries once ``q`` (Hq, n, d) joins those kept from its
+        earlier chunks or groups (taken out of ``_window_tail``; the caller keeps or uses the result)."""
+        before = self._window_tail.pop(layer, None)
+        tail = q if before is None or q.shape[1] >= self.split.window_size else torch.cat([before, q], dim=1)
+        return self.split.window_of(tail).clone()
 
     def prefill_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """A turn's new queries (Hq, n, d) attend, then the prefill policy selects."""
