@@ -20,6 +20,8 @@ ENV_PREFIX = "RKV_"
 # The commit of a tree that travelled without its git history (a lent GPU machine): gpu_run.sh sets it
 # from the bundle, which `make gpu-bundle` builds in the checkout.
 SOURCE_COMMIT = "RKV_SOURCE_COMMIT"
+# The test suite's own switches (which Redis, whether it must be up) say nothing about a benchmark.
+TEST_PREFIX = "RKV_TEST_"
 
 
 def cpu_model() -> str:
@@ -78,7 +80,7 @@ def command(argv: list[str] | None = None, environ: dict[str, str] | None = None
     else:
         head = program.name
     settings = [f"{k}={shlex.quote(v)}" for k, v in sorted(environ.items())
-                if k.startswith(ENV_PREFIX) and k != SOURCE_COMMIT]
+                if k.startswith(ENV_PREFIX) and k != SOURCE_COMMIT and not k.startswith(TEST_PREFIX)]
     return " ".join([*settings, head, *(shlex.quote(a) for a in argv[1:])])
 
 

@@ -4,6 +4,7 @@ those fields themselves, and new results get them when they are written."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -96,7 +97,10 @@ def test_a_result_of_a_benchmark_the_report_does_not_know_is_listed_by_its_field
 
 def test_a_written_result_is_stamped_with_its_provenance(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["/usr/bin/rocketkv-mt", "bench", "decode", "--json", "out.json"])
+    for name in [k for k in os.environ if k.startswith("RKV_")]:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("RKV_THREADS", "1")
+    monkeypatch.setenv("RKV_TEST_REQUIRE_REDIS", "1")  # the suite's switch, not a setting of the bench
     write_json({"context": 10}, str(tmp_path / "out.json"), quiet=True)
     data = json.loads((tmp_path / "out.json").read_text())
     assert data["command"] == "RKV_THREADS=1 rocketkv-mt bench decode --json out.json"
