@@ -125,6 +125,9 @@ class ChatService:
         if session is not None:
             self.access.check(session, token, owner)
             if self.repository is not None and not session.busy and await self.repository.is_stale(session):
+                if sid in self.repository.deleted:  # deleted elsewhere: this copy never serves again
+                    await self._purge(sid)
+                    raise refuse(sid)
                 self._forget(sid)
                 session = None
         restored = session is None
@@ -202,13 +205,22 @@ class ChatService:
         return await session_map(self.engine, session, text)
 
     async def delete_session(self, sid: str, token: str | None, owner: str | None = None) -> None:
+        """Delete for good: the record's tombstone first (no save in flight, here or on another replica,
+        can bring it back; Redis unreachable, nothing is deleted and the caller is told), then the
+        session leaves this replica with its host slots and every KV key its manifest names."""
         session, _ = await self._session(sid, token, owner)
         if session.busy:
             raise SessionBusy("the session is generating; cancel it first")
-        self.engine.delete_session(sid)  # also frees its tiers and its KV in Redis
-        self._forget(sid)
         if self.repository is not None:
             await self.repository.delete(sid)
+        await self._purge(sid)
+
+    async def _purge(self, sid: str) -> None:
+        """A deleted session leaves this replica and Redis (its KV keys; the record is a tombstone)."""
+        await self.engine.purge(sid)
+        self.access.forget(sid)
+        if self.repository is not None:
+            self.repository.forget(sid)
 
     async def cancel_turn(self, sid: str, token: str | None, owner: str | None = None) -> bool:
         session = self.engine.sessions.get(sid) if isinstance(sid, str) else None

@@ -2,18 +2,21 @@
 
 With a ``SessionStore``, a session is saved after creation and after every turn, before the
 turn's ``done`` leaves, so whoever sees ``done`` can rely on another replica restoring that state.
-A save is two steps in this order: the engine writes the session's KV (``Engine.persist``: pages,
-then page tables and primary set) and hands back what it wrote; the record, with that in its
-``kv``, is then written once. A record thus never names KV that was not written before it.
+A save is two steps in this order: the engine writes a new KV generation (``Engine.persist``: pages,
+then page tables and primary set, ``tiers.session_kv``) and hands back its reference; the record,
+naming it in its ``kv``, is then written once by compare-and-set: the one commit point. Committed,
+the generations before it are collected; not committed (another version, a tombstone, or Redis
+failing), the generation is removed. A record thus names exactly one generation, written whole
+before it.
 
 Each save names the version it read (``versions``): a replica holding a stale copy (another one took
-the session over meanwhile) fails its save and learns that its copy must not serve again. While
-Redis is unreachable turns go on in memory; the sessions whose save failed (``unsaved``) are
-saved again by the service's housekeeping until Redis takes them.
+the session over meanwhile) fails its save and learns that its copy must not serve again; a save that
+finds the session's tombstone learns it was deleted. While Redis is unreachable turns go on in
+memory; the sessions whose save failed (``unsaved``) are saved again by the service's housekeeping
+until Redis takes them.
 
-A restore reads the record alone: the engine restores the cache from its ``kv`` at the session's
-next turn after checking that every page it names is still in Redis, and re-prefills the history
-otherwise (a replica that died mid-turn may have freed some).
+A restore reads the record alone: the engine restores the cache from the generation its ``kv`` names
+at the session's next turn, all or nothing, and re-prefills the history otherwise.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from app.contract.errors import StoreUnavailable
 from app.engine.engine import Engine
 from app.engine.session import Session
 from app.session_restore import record, restore, summary
-from app.session_store import SessionStore
+from app.session_store import DELETED, MOVED, SAVED, TOMBSTONE, SessionStore
 
 log = logging.getLogger(__name__)
 STATS_TTL_S = 20
@@ -43,6 +46,7 @@ class SessionRepository:
         self._versions: dict[str, int | None] = {}
         self._unsaved: set[str] = set()  # sessions whose latest state Redis does not have
         self._save_locks: dict[str, asyncio.Lock] = {}  # one save of a session at a time
+        self.deleted: set[str] = set()  # local sessions a save found deleted elsewhere: purge, never serve
 
     @property
     def unsaved(self) -> int:
@@ -56,6 +60,7 @@ class SessionRepository:
         self._versions.pop(sid, None)
         self._save_locks.pop(sid, None)
         self._unsaved.discard(sid)
+        self.deleted.discard(sid)
 
     def stored(self, sid: str) -> bool:
         """Redis has this session's latest state (so it may leave memory)."""
@@ -69,27 +74,36 @@ class SessionRepository:
             if session.busy:
                 return  # a turn started while this waited for the lock (its cache may be mid-prefill)
             expected = self._versions.get(session.id)
+            if expected == -1 or session.id in self.deleted:
+                return  # this copy must not serve again, nor write
             kv = await self.engine.persist(session.id)
             data, summ = record(session, digest, kv), summary(session, self.replica)
             try:
-                ok = await self.store.save(data, summ, expected)
-                if not ok and expected is not None and await self.store.version(session.id) is None:
-                    # The record is gone (expired, or Redis came back empty): this copy is the truth.
+                outcome = await self.store.save(data, summ, expected)
+                if outcome == MOVED and expected is not None and await self.store.version(session.id) is None:
+                    # The record expired (or Redis came back empty): this copy is the truth.
                     expected = None
-                    ok = await self.store.save(data, summ, None)
+                    outcome = await self.store.save(data, summ, None)
             except Exception as exc:  # Redis unreachable: turns go on in memory
+                await self.engine.kv_settled(session.id, kv, committed=False)
                 self._unsaved.add(session.id)
                 if not quiet:
                     log.warning("could not save session %s (%s: %s); kept in memory, retried", session.id,
                                 type(exc).__name__, exc)
                 return
+            await self.engine.kv_settled(session.id, kv, committed=outcome == SAVED)
             self._unsaved.discard(session.id)
-            if ok:
+            if outcome == SAVED:
                 self._versions[session.id] = (expected or 0) + 1
                 if quiet:
                     log.info("session %s saved again after a store outage", session.id)
                 with contextlib.suppress(Exception):  # fresh totals for /metrics; housekeeping pushes them anyway
                     await self.push_stats()
+            elif outcome == DELETED:
+                log.warning("session %s was deleted elsewhere; dropping the local copy", session.id)
+                self._versions[session.id] = -1
+                if session.id in self.engine.sessions:  # still here: purged at its next request
+                    self.deleted.add(session.id)
             else:
                 # Another replica saved a newer state: this copy must not serve again.
                 log.warning("session %s moved on elsewhere; dropping the local copy", session.id)
@@ -112,6 +126,9 @@ class SessionRepository:
             log.warning("session store unreachable; using the local copy of %s", session.id, exc_info=True)
             return False
         local = self._versions.get(session.id)
+        if stored == TOMBSTONE:
+            self.deleted.add(session.id)
+            return True
         if stored is None:
             self._versions[session.id] = None  # expired from the store: the next save recreates it
             return False
@@ -137,7 +154,12 @@ class SessionRepository:
         return session
 
     async def delete(self, sid: str) -> None:
-        await self.store.delete(sid)
+        """Leave the session's tombstone; ``store_unavailable`` (nothing deleted) when Redis cannot be written."""
+        try:
+            await self.store.delete(sid)
+        except Exception as exc:
+            log.warning("cannot delete %s: session store unreachable (%s)", sid, exc)
+            raise StoreUnavailable("Redis is unreachable; the session was not deleted") from None
 
     async def push_stats(self) -> None:
         await self.store.put_replica_stats(self.replica, self.stats(), ttl_s=STATS_TTL_S)

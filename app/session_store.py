@@ -1,16 +1,18 @@
 """Session records in Redis: one record per session, from which any replica restores it.
 
-One hash per session at ``{ns}:session:{id}``: ``version`` (a counter bumped by every save),
-``data`` (JSON: mode, RocketKV config, messages, token ids, token digest, owner, turn stats, the
-last turn's key and outcome, and ``kv``: what the cache's ``persist()`` wrote to Redis, or null)
-and ``summary`` (a small JSON for listings); a sorted set ``{ns}:sessions`` indexes them by last
-save time. The KV those records refer to are the tier's keys ``{ns}:session:{id}:kv:*``
-(``tiers.redis_tier``); nothing else is kept per session. JSON only, never pickle. Keys expire
-after an idle TTL that saves and loads renew.
+One hash per session at ``{ns}:session:{<id>}`` (``tiers.keys``: the braces put a session's keys in one
+cluster slot): ``version`` (a counter bumped by every save), ``data`` (JSON: mode, RocketKV config,
+messages, token ids, token digest, owner, turn stats, the last turn's key and outcome, and ``kv``: the
+KV generation the cache's ``persist()`` wrote, ``tiers.session_kv``, or null) and ``summary`` (a small
+JSON for listings); a sorted set ``{ns}:sessions`` indexes them by last save time. JSON only, never
+pickle. A record expires after an idle TTL that every save renews (a load does not: a session nobody
+takes a turn in is idle, and its KV, renewed only by saves, must not expire before it).
 
-Saves are compare-and-set on ``version``: a replica holding a stale copy (another replica took
-the session over meanwhile) fails its save and so learns that its copy is stale. The store speaks
-through the process's one ``RedisClient``, shared with the KV tier.
+Saves are compare-and-set on ``version``: a replica holding a stale copy (another replica took the
+session over meanwhile) fails its save and so learns that its copy is stale. A delete leaves a
+tombstone for one TTL (``deleted``, the version bumped, data and summary gone): every later save of
+that session fails against it, so a save in flight cannot bring a deleted session back. The store
+speaks through the process's one ``RedisClient``, shared with the KV tier.
 """
 from __future__ import annotations
 
@@ -20,13 +22,22 @@ import logging
 import time
 from typing import Any
 
+from tiers.keys import session_key
 from tiers.redis_client import RedisClient
 
 log = logging.getLogger(__name__)
 
+# What a save finds: it wrote its version; another version is there; or a tombstone is.
+SAVED, MOVED, DELETED = "saved", "moved", "deleted"
+# ``version`` of a deleted session (its tombstone).
+TOMBSTONE = -1
+
 # KEYS = session key, index key; ARGV = expected version ('' = must not exist), new version, data,
-# summary, ttl, session id, now
+# summary, ttl, session id, now. Returns 1 (saved), 0 (another version) or -1 (a tombstone).
 _CAS_SAVE = """
+if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then
+  return -1
+end
 local cur = redis.call('HGET', KEYS[1], 'version')
 if (cur == false and ARGV[1] == '') or (cur ~= false and cur == ARGV[1]) then
   redis.call('HSET', KEYS[1], 'version', ARGV[2], 'data', ARGV[3], 'summary', ARGV[4])
@@ -35,6 +46,15 @@ if (cur == false and ARGV[1] == '') or (cur ~= false and cur == ARGV[1]) then
   return 1
 end
 return 0
+"""
+
+# KEYS = session key; ARGV = ttl. The record becomes a tombstone: a bumped version, no data or summary.
+_TOMBSTONE = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+redis.call('HDEL', KEYS[1], 'data', 'summary')
+redis.call('HSET', KEYS[1], 'version', cur + 1, 'deleted', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return cur + 1
 """
 
 
@@ -46,6 +66,7 @@ class SessionStore:
         self._owns_client = owns_client  # closed with the store only where nothing else uses it
         self._redis = client.redis
         self._cas = self._redis.register_script(_CAS_SAVE)
+        self._tombstone = self._redis.register_script(_TOMBSTONE)
 
     @classmethod
     def connect(cls, url: str, namespace: str = "rkv", ttl_s: int = 7 * 24 * 3600) -> "SessionStore":
@@ -53,7 +74,7 @@ class SessionStore:
         return cls(RedisClient(url), namespace, ttl_s, owns_client=True)
 
     def key(self, session_id: str) -> str:
-        return f"{self.ns}:session:{session_id}"
+        return session_key(self.ns, session_id)
 
     @property
     def _index(self) -> str:
@@ -65,8 +86,9 @@ class SessionStore:
     async def ping(self) -> bool:
         return bool(await self.client.call(self._redis.ping()))
 
-    async def save(self, data: dict[str, Any], summary: dict[str, Any], expected_version: int | None) -> bool:
-        """Write ``data`` as version ``expected_version + 1`` (or 1 for a new key); False if it moved on."""
+    async def save(self, data: dict[str, Any], summary: dict[str, Any], expected_version: int | None) -> str:
+        """Write ``data`` as version ``expected_version + 1`` (or 1 for a new key): ``SAVED``; ``MOVED``
+        when another version is there, ``DELETED`` when the session was deleted."""
         expected = "" if expected_version is None else str(expected_version)
         new_version = (expected_version or 0) + 1
         ok = await self.client.call(self._cas(
@@ -74,34 +96,27 @@ class SessionStore:
             args=[expected, str(new_version), json.dumps(data), json.dumps(summary), str(self.ttl_s),
                   data["id"], repr(time.time())],
         ))
-        return bool(ok)
+        return {1: SAVED, 0: MOVED}.get(int(ok), DELETED)
 
     async def load(self, session_id: str) -> tuple[dict[str, Any], int] | None:
         key = self.key(session_id)
 
-        async def op():
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hmget(key, "version", "data")
-                pipe.expire(key, self.ttl_s)
-                return await pipe.execute()
-
-        (version, data), _ = await self.client.call(op())
-        if version is None or data is None:
+        version, data = await self.client.call(self._redis.hmget(key, "version", "data"))
+        if version is None or data is None:  # absent, or a tombstone
             return None
         return json.loads(data), int(version)
 
     async def version(self, session_id: str) -> int | None:
-        value = await self.client.call(self._redis.hget(self.key(session_id), "version"))
+        """The stored version; None when there is no record, ``TOMBSTONE`` when the session was deleted."""
+        value, deleted = await self.client.call(self._redis.hmget(self.key(session_id), "version", "deleted"))
+        if deleted is not None:
+            return TOMBSTONE
         return None if value is None else int(value)
 
     async def delete(self, session_id: str) -> None:
-        async def op():
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self.key(session_id))
-                pipe.zrem(self._index, session_id)
-                await pipe.execute()
-
-        await self.client.call(op())
+        """Leave a tombstone in place of the record (for one TTL) and drop it from the listing."""
+        await self.client.call(self._tombstone(keys=[self.key(session_id)], args=[str(self.ttl_s)]))
+        await self.client.call(self._redis.zrem(self._index, session_id))
 
     async def summaries(self, limit: int = 1000, owner: str | None = None) -> list[dict[str, Any]]:
         """``owner``'s sessions among the ``limit`` most recently saved, newest first; index entries

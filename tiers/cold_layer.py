@@ -100,9 +100,19 @@ class ColdLayer:
         if sketch_bits:
             key_sketch.codes_per_byte(sketch_bits, head_dim)  # refuses what it cannot pack, before any page
         self.dtype, self.head_dim = dtype, head_dim
-        self.epoch = secrets.token_hex(4)  # page ids are unique per cache, across processes and rebuilds
-        self._made = 0
+        self._new_epoch()
         self._reset(num_kv_heads)
+
+    def _new_epoch(self) -> None:
+        """Page ids never repeat within a session: each cache, and each restore of one, names its new
+        pages under an epoch of its own (31 random bits, so that epoch and counter pack into one int64),
+        so that two copies of a session (a stale replica and the one that took over) never write
+        different bytes under one name."""
+        self.epoch = secrets.randbits(31)
+        self._made = 0
+
+    def _page_id(self, epoch: int, n: int) -> str:
+        return page_id(self.layer, epoch, n)
 
     def _reset(self, hkv: int) -> None:
         p, d = self.page_tokens, self.head_dim
@@ -287,7 +297,7 @@ class ColdLayer:
         head_of, at = head_of.to(keys.device), at.to(keys.device)
         k = keys[head_of, at].view(m, p, -1)
         v = values[head_of, at].masked_fill(pad.to(keys.device).unsqueeze(-1), 0).view(m, p, -1)
-        ids = [f"l{self.layer}-{self.epoch}-{self._made + j}" for j in range(m)]
+        ids = [self._page_id(self.epoch, self._made + j) for j in range(m)]
         self._made += m
         encoded = self.codec.encode(k, v)
         written = self.host.put_many(self.session_id, ids, encoded)
@@ -395,6 +405,10 @@ class ColdLayer:
         self.host.free_many(self.session_id, self.page_ids())
         self._reset(len(self.ids))
 
+    def clear(self) -> None:
+        """Forget the page table alone (a restore that did not complete: no page was taken on)."""
+        self._reset(len(self.ids))
+
     # --- persistence -------------------------------------------------------------------------
     def _restored_codes(self, tensors: dict[str, torch.Tensor], head: int, pages: int) -> torch.Tensor:
         """A head's sketch codes from a persisted page table. A table written without them (another
@@ -433,7 +447,7 @@ class ColdLayer:
             out[f"alive{i}"] = self._alive.buf[i, :n].clone()
             out[f"kmin{i}"] = self._kmin.buf[i, :n].clone()
             out[f"kmax{i}"] = self._kmax.buf[i, :n].clone()
-            out[f"ids{i}"] = torch.tensor([int(pid.rsplit("-", 1)[1]) for pid in ids], dtype=torch.int64)
+            out[f"ids{i}"] = torch.tensor([packed_id(pid) for pid in ids], dtype=torch.int64)
             if self.sketch_bits:
                 out[f"codes{i}"] = self._codes.buf[i, :n].clone()
                 if self.values_sketched:
@@ -443,17 +457,60 @@ class ColdLayer:
         return out
 
     def snapshot(self) -> dict:
-        """What the page table's tensors need besides themselves (JSON-able)."""
-        return {"epoch": self.epoch, "made": self._made}
+        """What the page table's tensors need besides themselves (JSON-able): its pages per head, which
+        a restore checks the tensors against."""
+        return {"pages": [len(ids) for ids in self.ids]}
 
-    def restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
-        self.epoch, self._made = state["epoch"], int(state["made"])
-        prefix = f"l{self.layer}-{self.epoch}-"
+    def restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Rebuild the page table from ``index_tensors`` and ``snapshot``; returns the page ids it names
+        (the caller checks Redis holds them). Raises ``ValueError`` where the tensors do not match the
+        snapshot or each other, leaving the table empty. New pages go under a fresh epoch."""
         self._reset(len(self.ids))
-        for i in range(len(self.ids)):
-            ids = [f"{prefix}{n}" for n in tensors[f"ids{i}"].tolist()]
+        try:
+            self._restore(state, tensors)
+        except (KeyError, IndexError, RuntimeError, TypeError, ValueError) as exc:
+            self._reset(len(self.ids))
+            raise ValueError(f"layer {self.layer}: page table does not match its record ({exc})") from None
+        self._new_epoch()
+        return self.page_ids()
+
+    def _restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+        pages, p = state["pages"], self.page_tokens
+        if len(pages) != len(self.ids):
+            raise ValueError(f"{len(pages)} heads recorded, {len(self.ids)} in the cache")
+        for i, n in enumerate(pages):
+            packed = tensors[f"ids{i}"].tolist()
+            pos, alive = tensors[f"pos{i}"].long(), tensors[f"alive{i}"].bool()
+            if len(packed) != n or tuple(pos.shape) != (n, p) or tuple(alive.shape) != (n, p):
+                raise ValueError(f"head {i}: {n} pages recorded, tables of {len(packed)} and {tuple(pos.shape)}")
+            if bool((alive & (pos < 0)).any()):
+                raise ValueError(f"head {i}: a cold token without a position")
+            ids = [unpacked_id(self.layer, e) for e in packed]
             if ids:
-                self._append(torch.full((len(ids),), i), ids, tensors[f"pos{i}"].long(), tensors[f"alive{i}"],
+                self._append(torch.full((len(ids),), i), ids, pos, alive,
                              outward(tensors[f"kmin{i}"], up=False), outward(tensors[f"kmax{i}"], up=True),
                              self._restored_codes(tensors, i, len(ids)), self._restored_values(tensors, i, len(ids)))
-        self.host.adopt_many(self.session_id, self.page_ids())
+
+    def held_per_head(self) -> list[torch.Tensor]:
+        """Each head's cold positions (unsorted), for checking a restore against its history."""
+        return [self._pos.buf[h, : len(ids)][self._alive.buf[h, : len(ids)]] for h, ids in enumerate(self.ids)]
+
+
+def page_id(layer: int, epoch: int, n: int) -> str:
+    return f"l{layer}-{epoch:08x}-{n}"
+
+
+def unpacked_id(layer: int, packed: int) -> str:
+    """The id of a page of ``layer`` from its ``packed_id``."""
+    return page_id(layer, packed >> 32, packed & 0xFFFFFFFF)
+
+
+def page_names(layer: int, index: dict[str, torch.Tensor]) -> list[str]:
+    """The ids of the pages a layer's page table (``index_tensors``) names, every head's."""
+    return [unpacked_id(layer, e) for name, ids in index.items() if name.startswith("ids") for e in ids.tolist()]
+
+
+def packed_id(pid: str) -> int:
+    """A page id's epoch and counter in one int64 (how page tables store ids)."""
+    _, epoch, n = pid.split("-")
+    return (int(epoch, 16) << 32) | int(n)

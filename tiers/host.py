@@ -23,6 +23,7 @@ import torch
 
 from tiers.base import PageBatch, TierStats
 from tiers.host_pool import HostPool
+from tiers.redis_copies import Collected, RedisCopies
 from tiers.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class HostTier:
         self._spilling: dict[PageKey, int] = {}  # pages being written to Redis: their slots stay theirs until then
         self._doomed: set[PageKey] = set()  # spilling pages freed meanwhile: their Redis copy goes too
         self._pages: dict[str, set[str]] = {}  # per session: its pages in a slot (resident or spilling)
-        self._in_redis: dict[str, set[str]] = {}  # per session: its pages Redis holds a copy of
+        self.copies = RedisCopies()  # which pages Redis holds, which generations name them (under the lock)
         self._reserved: dict[str, int] = {}  # per session: slots its turn in flight may still fill
         self._lock = threading.RLock()
 
@@ -111,13 +112,14 @@ class HostTier:
         got: list[int] = []
         for _ in range(MAKE_ROOM_ROUNDS):
             writes: dict[str, dict[str, PageBatch]] = {}
+            checks: dict[str, list[str]] = {}
             with self._lock:
                 got += self.pool.take(min(n - len(got), self._room(session_id)))
                 if len(got) < n and self._can_spill():
-                    got += self._start_spill(n - len(got), protect, writes)
+                    self._start_spill(n - len(got), protect, writes, checks)
             if len(got) == n or not writes:
                 break
-            written = {sid: self.redis.put_pages(sid, pages) for sid, pages in writes.items()}  # the lock is free
+            written = {sid: self._write_spill(sid, pages, checks.get(sid, [])) for sid, pages in writes.items()}
             with self._lock:
                 freed, orphans = self._end_spill(writes, written)
                 got += freed
@@ -137,29 +139,32 @@ class HostTier:
         return (f"the host tier is full ({self.capacity_bytes} bytes) and {why}: "
                 f"{n} more pages of {self.page_bytes} bytes do not fit")
 
-    def _start_spill(self, k: int, protect: set[PageKey], writes: dict[str, dict[str, PageBatch]]) -> list[int]:
-        """Under the lock: evict up to ``k`` least recently used pages. Those Redis already holds leave at
-        once (their slots are returned); the others are marked spilling and copied into ``writes``
-        (session -> page -> tensors), for ``_end_spill`` once written."""
+    def _start_spill(self, k: int, protect: set[PageKey], writes: dict[str, dict[str, PageBatch]],
+                     checks: dict[str, list[str]]) -> None:
+        """Under the lock: evict up to ``k`` least recently used pages: each is marked spilling and copied
+        into ``writes`` (session -> page -> tensors), for ``_write_spill`` and then ``_end_spill``. Those
+        Redis is believed to hold go in ``checks``: the belief is checked before their slot is let go."""
         victims = []
         for key in self._resident:
             if len(victims) == k:
                 break
             if key not in protect:
                 victims.append(key)
-        freed, dirty = [], []
         for key in victims:
-            slot = self._resident.pop(key)
-            if key[1] in self._in_redis.get(key[0], ()):
-                freed.append(slot)
-                self._forget_host_page(key)
-                self.stats.spills += 1
-            else:
-                self._spilling[key] = slot
-                dirty.append(key)
-        for key, page in zip(dirty, self.pool.copies([self._spilling[key] for key in dirty])):
+            self._spilling[key] = self._resident.pop(key)
+            if self.copies.holds(*key):
+                checks.setdefault(key[0], []).append(key[1])
+        for key, page in zip(victims, self.pool.copies([self._spilling[key] for key in victims])):
             writes.setdefault(key[0], {})[key[1]] = page
-        return freed
+
+    def _write_spill(self, session_id: str, pages: dict[str, PageBatch], believed: list[str]) -> bool:
+        """With the lock released: write a session's spilled pages, but those Redis does hold of the
+        ones it is believed to (their TTL renewed on the way)."""
+        found = self.redis.renew_pages(session_id, believed)
+        if found is None:
+            return False
+        present = {pid for pid, ok in zip(believed, found) if ok}
+        return self.redis.put_pages(session_id, {pid: page for pid, page in pages.items() if pid not in present})
 
     def _end_spill(self, writes: dict[str, dict[str, PageBatch]], written: dict[str, bool]
                    ) -> tuple[list[int], dict[str, list[str]]]:
@@ -176,11 +181,12 @@ class HostTier:
                     freed.append(slot)
                     if key in self._doomed:
                         self._doomed.discard(key)
-                        if ok:
-                            orphans.setdefault(sid, []).append(pid)
+                        if ok:  # its copy goes now, unless a generation names it
+                            self.copies.add(sid, [pid])
+                            orphans.setdefault(sid, []).extend(self.copies.free(sid, [pid]))
                 elif ok:
                     freed.append(slot)
-                    self._in_redis.setdefault(sid, set()).add(pid)
+                    self.copies.add(sid, [pid])
                     self._forget_host_page(key)
                     self.stats.spills += 1
                 else:
@@ -261,8 +267,7 @@ class HostTier:
         with self._lock:
             slots = [self._resident.get(key, self._spilling.get(key)) for key in keys]
             misses = [i for i, slot in enumerate(slots) if slot is None]
-            in_redis = self._in_redis.get(session_id, ())
-            if misses and (self.redis is None or any(keys[i][1] not in in_redis for i in misses)):
+            if misses and (self.redis is None or any(not self.copies.holds(*keys[i]) for i in misses)):
                 raise ChunkUnavailable(f"page {keys[misses[0]]} is in no tier that can be read now")
             hits = [(i, slot) for i, slot in enumerate(slots) if slot is not None]
             if hits:
@@ -294,10 +299,10 @@ class HostTier:
         return out, len(misses) * self.page_bytes
 
     def free_many(self, session_id: str, page_ids: list[str]) -> None:
-        """Forget pages everywhere (host slots and Redis copies)."""
-        in_redis = []
+        """Forget pages everywhere: their host slots, and their Redis copies that no KV generation names
+        (``tiers.redis_copies``; the others go when the generation naming them is superseded)."""
         with self._lock:
-            mine, copies = self._pages.get(session_id, set()), self._in_redis.get(session_id, set())
+            mine = self._pages.get(session_id, set())
             for pid in page_ids:
                 key = (session_id, pid)
                 if pid in mine:
@@ -307,44 +312,63 @@ class HostTier:
                     else:
                         self.pool.give_back([slot])
                     self._forget_host_page(key)
-                if pid in copies:
-                    copies.discard(pid)
-                    in_redis.append(pid)
-            if not copies:
-                self._in_redis.pop(session_id, None)
+            in_redis = self.copies.free(session_id, page_ids)
         if in_redis and self.redis is not None:
             self.redis.delete_pages(session_id, in_redis)
 
-    def drop_session(self, session_id: str) -> int:
-        """Give back the slots of a session leaving this process, keeping its Redis copies.
-
-        Unlike ``free_many``, nothing is deleted from Redis: the session's stored record (which another
-        replica, or this one later, restores) still refers to those pages. Returns the slots freed."""
-        with self._lock:
-            mine = self._pages.pop(session_id, set())
-            for pid in mine:  # one being spilled gives its slot back when its write ends
-                slot = self._resident.pop((session_id, pid), None)
-                if slot is not None:
-                    self.pool.give_back([slot])
-            self.stats.entries -= len(mine)
-            self.stats.bytes -= len(mine) * self.page_bytes
-            self._in_redis.pop(session_id, None)
-            self._reserved.pop(session_id, None)
-        if self.redis is not None:
-            self.redis.forget_session(session_id)
+    def _drop_slots(self, session_id: str) -> int:
+        """Under the lock: give back every slot of a session (one being spilled gives its slot back when
+        its write ends); returns how many."""
+        mine = self._pages.pop(session_id, set())
+        for pid in mine:
+            slot = self._resident.pop((session_id, pid), None)
+            if slot is None:
+                self._doomed.add((session_id, pid))
+            else:
+                self.pool.give_back([slot])
+        self.stats.entries -= len(mine)
+        self.stats.bytes -= len(mine) * self.page_bytes
+        self._reserved.pop(session_id, None)
         return len(mine)
 
-    def persist_many(self, session_id: str, page_ids: list[str]) -> int | None:
-        """Make sure Redis holds a copy of these pages (one pipelined write of those it lacks, with the
-        lock released). Returns the bytes written, or None when Redis is unavailable or a page is held
-        nowhere."""
+    def drop_session(self, session_id: str) -> int:
+        """Give back the slots of a session leaving this process, keeping the Redis copies its KV
+        generations name (the record another replica, or this one later, restores from); copies no
+        generation names are deleted. Returns the slots freed."""
         with self._lock:
-            copies = self._in_redis.get(session_id, ())
-            missing = [pid for pid in page_ids if pid not in copies]
+            freed = self._drop_slots(session_id)
+            orphans = self.copies.leave(session_id)
+        if self.redis is not None:
+            self.redis.delete_pages(session_id, orphans)
+            self.redis.forget_session(session_id)
+        return freed
+
+    def forget_session(self, session_id: str) -> int:
+        """A deleted session: give back its slots and forget its copies (its Redis keys are removed by
+        its manifest, ``RedisTier.delete_session``). Returns the slots freed."""
+        with self._lock:
+            freed = self._drop_slots(session_id)
+            self.copies.forget(session_id)
+        return freed
+
+    def persist_many(self, session_id: str, page_ids: list[str]) -> int | None:
+        """Make sure Redis holds a copy of these pages: those it is believed to hold are checked (and
+        their TTL renewed), the others, and any found missing, are written from their host slots, with
+        the lock released. Returns the bytes written, or None when Redis is unavailable or a page is
+        held nowhere."""
+        if self.redis is None:
+            return None
+        with self._lock:
+            believed = self.copies.believed(session_id, page_ids)
+        found = self.redis.renew_pages(session_id, believed)
+        if found is None:
+            return None
+        lost = [pid for pid, ok in zip(believed, found) if not ok]
+        with self._lock:
+            self.copies.lost(session_id, lost)
+            missing = [pid for pid in page_ids if not self.copies.holds(session_id, pid)]
             if not missing:
                 return 0
-            if self.redis is None:
-                return None
             slots = [self._resident.get((session_id, pid), self._spilling.get((session_id, pid))) for pid in missing]
             if any(slot is None for slot in slots):
                 return None
@@ -353,28 +377,52 @@ class HostTier:
             return None
         with self._lock:
             mine = self._pages.get(session_id, ())
-            # A page freed meanwhile keeps its copy until its TTL: a record being saved may name it.
-            self._in_redis.setdefault(session_id, set()).update(pid for pid in pages if pid in mine)
+            self.copies.add(session_id, [pid for pid in pages if pid in mine])
         return len(pages) * self.page_bytes
 
-    def adopt_many(self, session_id: str, page_ids: list[str]) -> None:
-        """Record pages that Redis already holds (a session restored by another process)."""
+    # --- generations (``tiers.session_kv``) ----------------------------------------------------
+    def hold(self, session_id: str, gen: str, layers: int, page_ids: list[str]) -> None:
         with self._lock:
-            self._in_redis.setdefault(session_id, set()).update(page_ids)
+            self.copies.hold(session_id, gen, layers, page_ids)
+
+    def adopt(self, session_id: str, gen: str, layers: int, page_ids: list[str]) -> None:
+        """Record a generation that Redis holds (a session restored from its record)."""
+        with self._lock:
+            self.copies.adopt(session_id, gen, layers, page_ids)
+
+    def commit(self, session_id: str, gen: str) -> Collected:
+        with self._lock:
+            return self.copies.commit(session_id, gen)
+
+    def abandon(self, session_id: str, gen: str) -> Collected:
+        with self._lock:
+            return self.copies.abandon(session_id, gen)
+
+    def due_renewal(self, session_id: str, every_s: float) -> bool:
+        with self._lock:
+            return self.copies.due_renewal(session_id, every_s)
+
+    def renewed(self, session_id: str) -> None:
+        with self._lock:
+            self.copies.renewed(session_id)
+
+    def kept(self, session_id: str) -> tuple[set[str], dict[str, int]]:
+        """The pages whose Redis copies this process still needs, and its generations (id -> layers)."""
+        with self._lock:
+            return self.copies.kept(session_id), self.copies.gens(session_id)
 
     def where(self, session_id: str, page_id: str) -> str:
         key = (session_id, page_id)
         with self._lock:
             if key in self._resident or key in self._spilling:
                 return "host"
-            return "redis" if page_id in self._in_redis.get(session_id, ()) else "none"
+            return "redis" if self.copies.holds(session_id, page_id) else "none"
 
     def where_many(self, session_id: str, page_ids: list[str]) -> list[str]:
         """``where`` of many pages under one hold of the lock (the memory map asks for every page)."""
         with self._lock:
-            copies = self._in_redis.get(session_id, ())
             return ["host" if (session_id, pid) in self._resident or (session_id, pid) in self._spilling
-                    else "redis" if pid in copies else "none" for pid in page_ids]
+                    else "redis" if self.copies.holds(session_id, pid) else "none" for pid in page_ids]
 
     def session_bytes(self, session_id: str) -> int:
         """Host bytes of a session's pages: one lookup of its counter, safe from any thread without the lock."""

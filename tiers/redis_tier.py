@@ -1,10 +1,15 @@
-"""Redis tier: raw tensor bytes plus a JSON header per key (never pickle), namespaced, with an idle TTL.
+"""Redis tier: raw tensor bytes plus a JSON header per key (never pickle), namespaced, with a TTL.
 
-Keys are ``{ns}:session:{id}:kv:{page}``, next to the session's record ``{ns}:session:{id}``
-(``app.session_store``). The tier speaks through the process's one ``RedisClient``, blocking its
-caller (the model thread, the page reader, the host tier's spills) for each call, with a timeout and
-behind the client's circuit breaker. Failures are counted and reported (``healthy``/``last_error``);
-they are never raised into a chat turn.
+A session's KV keys are named by ``tiers.keys`` (one hash tag per session) beside its record, and every
+name written is first added to the session's manifest, so its keys are found and removed without a
+scan of the keyspace. The keys outlive the record that names them by a quarter of its TTL
+(``kv_ttl_s``): the record is renewed at every save, the KV at saves a quarter TTL apart
+(``tiers.session_kv``), so KV never expires before the record naming it does.
+
+The tier speaks through the process's one ``RedisClient``, blocking its caller (the model thread, the
+page reader, the host tier's spills) for each call, with a timeout and behind the client's circuit
+breaker. Failures are counted and reported (``healthy``/``last_error``); they are never raised into a
+chat turn.
 
 What this process wrote is counted per session (bytes and keys, for ``session_bytes`` and the tier's
 totals) under the tier's own lock, which no call to Redis is made under; a session's counts go when
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 
 from tiers.base import PageBatch, TierStats
+from tiers.keys import kv_key, manifest_key
 from tiers.redis_client import RedisClient, RedisUnavailable
 
 log = logging.getLogger(__name__)
@@ -62,7 +68,8 @@ def decode_tensors(header: bytes, data: bytes) -> tuple[dict[str, torch.Tensor],
 class RedisTier:
     def __init__(self, client: RedisClient, namespace: str = "rkv", ttl_s: int = 86400):
         self.client = client
-        self.ns, self.ttl_s = namespace, ttl_s
+        self.ns, self.ttl_s = namespace, ttl_s  # the records' TTL
+        self.kv_ttl_s = ttl_s + ttl_s // 4
         self.stats = TierStats()
         # Per session: bytes of each key it wrote (a key written again replaces its size) and their sum.
         self._sizes: dict[str, dict[str, int]] = {}
@@ -85,7 +92,10 @@ class RedisTier:
 
     # --- keys --------------------------------------------------------------------------------
     def chunk_key(self, session_id: str, chunk_id: str) -> str:
-        return f"{self.ns}:session:{session_id}:kv:{chunk_id}"
+        return kv_key(self.ns, session_id, chunk_id)
+
+    def manifest_key(self, session_id: str) -> str:
+        return manifest_key(self.ns, session_id)
 
     # --- plumbing ----------------------------------------------------------------------------
     def _run(self, coro: Coroutine[Any, Any, Any], default=None):
@@ -113,12 +123,15 @@ class RedisTier:
         if not pages:
             return True
         encoded = {self.chunk_key(session_id, pid): encode_tensors(t) for pid, t in pages.items()}
+        manifest = self.manifest_key(session_id)
 
         async def op():
             async with self._client.pipeline(transaction=False) as pipe:
+                pipe.sadd(manifest, *pages)  # named first: a write cut short leaves no key the manifest misses
+                pipe.expire(manifest, self.kv_ttl_s)
                 for key, (header, data) in encoded.items():
                     pipe.hset(key, mapping={"header": header, "data": data})
-                    pipe.expire(key, self.ttl_s)
+                    pipe.expire(key, self.kv_ttl_s)
                 await pipe.execute()
             return True
 
@@ -137,7 +150,7 @@ class RedisTier:
             async with self._client.pipeline(transaction=False) as pipe:
                 for key in keys:
                     pipe.hmget(key, ["header", "data"])
-                    pipe.expire(key, self.ttl_s)
+                    pipe.expire(key, self.kv_ttl_s)
                 return (await pipe.execute())[::2]
 
         replies = self._run(op(), default=None) or [(None, None)] * len(keys)
@@ -151,17 +164,26 @@ class RedisTier:
             self.stats.bytes_read += sum(found)
         return out
 
-    def has_pages(self, session_id: str, page_ids: list[str]) -> bool:
-        """Whether Redis holds every one of these pages (one pipelined request; False if Redis is down)."""
+    def renew_pages(self, session_id: str, page_ids: list[str]) -> list[bool] | None:
+        """Whether Redis holds each page, renewing the TTL of those it holds (one pipelined request);
+        None when Redis cannot be asked. The check a belief "this page is in Redis" gets before it is
+        relied on: a key expires, or Redis restarts empty."""
+        if not page_ids:
+            return []
         keys = [self.chunk_key(session_id, pid) for pid in page_ids]
 
         async def op():
             async with self._client.pipeline(transaction=False) as pipe:
-                for i in range(0, len(keys), 512):
-                    pipe.exists(*keys[i : i + 512])
-                return sum(await pipe.execute())
+                for key in keys:
+                    pipe.expire(key, self.kv_ttl_s)
+                return [bool(r) for r in await pipe.execute()]
 
-        return not keys or self._run(op(), default=-1) == len(keys)
+        return self._run(op(), default=None)
+
+    def has_pages(self, session_id: str, page_ids: list[str]) -> bool:
+        """Whether Redis holds every one of these pages (their TTLs renewed; False if Redis is down)."""
+        found = self.renew_pages(session_id, page_ids)
+        return found is not None and all(found)
 
     def _account_write(self, session_id: str, written: dict[str, int]) -> None:
         with self._lock:
@@ -192,20 +214,69 @@ class RedisTier:
                 self._bytes[session_id] -= freed
 
     def delete_pages(self, session_id: str, page_ids: list[str]) -> None:
+        if not page_ids:
+            return
         keys = [self.chunk_key(session_id, pid) for pid in page_ids]
-        if not keys or self._run(self._client.delete(*keys), default=None) is None:
+        manifest = self.manifest_key(session_id)
+
+        async def op():
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.delete(*keys)
+                pipe.srem(manifest, *page_ids)
+                await pipe.execute()
+            return True
+
+        if self._run(op(), default=None) is None:
             return
         self._account_delete(session_id, page_ids)
 
     # --- sessions ----------------------------------------------------------------------------
-    def delete_session(self, session_id: str) -> None:
+    def manifest(self, session_id: str) -> set[str] | None:
+        """Every name written under the session's KV keys and not deleted since; None if Redis is down."""
         async def op():
-            keys = [k async for k in self._client.scan_iter(match=f"{self.ns}:session:{session_id}:kv:*")]
-            if keys:
-                await self._client.delete(*keys)
+            return {m.decode() for m in await self._client.smembers(self.manifest_key(session_id))}
 
-        self._run(op())
+        return self._run(op(), default=None)
+
+    def renew_session(self, session_id: str) -> bool:
+        """Renew the TTL of every KV key of the session (its manifest's names, and the manifest)."""
+        names = self.manifest(session_id)
+        if names is None:
+            return False
+        keys = [self.chunk_key(session_id, n) for n in names]
+
+        async def op():
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key in [*keys, self.manifest_key(session_id)]:
+                    pipe.expire(key, self.kv_ttl_s)
+                await pipe.execute()
+            return True
+
+        return bool(self._run(op(), default=False))
+
+    def delete_session(self, session_id: str, rounds: int = 4) -> bool:
+        """Remove every KV key of the session, by its manifest: exactly the keys written for it, no
+        scan. A writer still finishing (a spill that began before the delete) may add names meanwhile,
+        so the manifest is read again until it is empty. False when Redis failed (keys left for their
+        TTL)."""
+        manifest = self.manifest_key(session_id)
+
+        async def op():
+            for _ in range(rounds):
+                names = [m.decode() for m in await self._client.smembers(manifest)]
+                if not names:
+                    return True
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for i in range(0, len(names), 512):
+                        part = names[i : i + 512]
+                        pipe.delete(*(self.chunk_key(session_id, n) for n in part))
+                        pipe.srem(manifest, *part)
+                    await pipe.execute()
+            return not await self._client.exists(manifest)
+
+        done = bool(self._run(op(), default=False))
         self._account_delete(session_id)
+        return done
 
     def forget_session(self, session_id: str) -> None:
         """Stop counting a session that leaves this process; its keys stay, for whoever restores it."""

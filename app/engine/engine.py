@@ -26,6 +26,7 @@ the session record that carries it is the service's (``app.session_repository``)
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -50,6 +51,7 @@ from tiers.codec import make_codec, page_nbytes
 from tiers.host import HostTier
 from tiers.redis_client import RedisClient
 from tiers.redis_tier import RedisTier
+from tiers.session_kv import SessionKV
 from tiers.transfers import Transfers
 
 log = logging.getLogger(__name__)
@@ -141,11 +143,12 @@ class Engine(TurnLoop, DeviceResidency):
 
     def drop(self, session_id: str) -> None:
         """Let go of a session in this process only (idle eviction, a stale copy): its device memory
-        and its host-tier pages are freed; what Redis holds for it stays, for whoever restores it
-        (``delete_session`` deletes that too)."""
+        and its host-tier pages are freed; what its record names in Redis stays, for whoever restores
+        it (``delete_session`` deletes that too). The host tier lets go on the model thread, after
+        the jobs already queued for the session's cache (a settle, a persist, a park)."""
         self._sessions.pop(session_id, None)
         self.memory_account.forget(session_id)
-        self.host_tier.drop_session(session_id)
+        self.batcher.submit(lambda: self.host_tier.drop_session(session_id))
 
     def new_cache(self, mode: str, rocket: RocketKVConfig, session_id: str = "local") -> SessionCache:
         """An empty cache of this engine's model; tiered caches keep cold tokens in this engine's tiers."""
@@ -160,16 +163,35 @@ class Engine(TurnLoop, DeviceResidency):
             raise SessionNotFound(f"no session {session_id!r}")
         return session
 
-    def delete_session(self, session_id: str) -> None:
-        session = self.get_session(session_id)
-        if session.busy:
+    async def delete_session(self, session_id: str) -> None:
+        """Delete a session for good (its record's tombstone is the caller's): it leaves this engine at
+        once; on the model thread, after the jobs already queued for its cache, its host slots and
+        cache bookkeeping go; then, off the event loop, every KV key its manifest names."""
+        if self.get_session(session_id).busy:
             raise SessionBusy("the session is generating; cancel it first")
-        del self._sessions[session_id]
+        await self.purge(session_id)
+
+    async def purge(self, session_id: str) -> None:
+        """``delete_session`` of a session whether or not this engine holds it (deleted elsewhere)."""
+        session = self._sessions.pop(session_id, None)
         self.memory_account.forget(session_id)
-        if session.cache is not None:
-            session.cache.release()
+
+        def let_go() -> None:
+            self.host_tier.forget_session(session_id)
+            if session is not None and session.cache is not None:
+                session.cache.release()
+
+        await self.batcher.run(let_go)
         if self.redis is not None:
-            self.redis.delete_session(session_id)
+            await asyncio.to_thread(self.redis.delete_session, session_id)
+
+    async def kv_settled(self, session_id: str, kv: dict | None, committed: bool) -> None:
+        """The record that names the KV generation ``kv`` committed (older generations are collected) or
+        did not (``kv``'s own generation is removed); off the event loop, since it talks to Redis."""
+        if kv is None or self.redis is None:
+            return
+        store = SessionKV(self.host_tier, session_id)
+        await asyncio.to_thread(store.committed if committed else store.abandoned, kv)
 
     def cancel(self, session_id: str) -> bool:
         """Ask a generating session to stop after the current step; False if it was idle."""

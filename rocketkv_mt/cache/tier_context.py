@@ -10,6 +10,7 @@ from typing import Literal
 
 from tiers.codec import PageCodec, RawCodec
 from tiers.host import HostTier
+from tiers.session_kv import SessionKV
 from tiers.transfers import Transfers
 
 
@@ -63,3 +64,8 @@ class TierContext:
     session_id: str
     policy: TierPolicy = field(default_factory=TierPolicy)
     transfers: Transfers | None = None
+
+    @property
+    def kv(self) -> SessionKV:
+        """The session's KV in Redis (``tiers.session_kv``): where a persist writes and a restore reads."""
+        return SessionKV(self.host, self.session_id)

@@ -19,6 +19,7 @@ from api.service_client import LocalTransport, ServiceClient
 from app.chat_service import ChatService
 from tiers.base import TierStats
 from tiers.host import HostTier
+from tiers.keys import session_key
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +250,7 @@ async def test_another_process_restores_a_session_from_redis(loaded, redis_url):
     with local_server(loaded, replica_id="a", **settings) as a, local_server(loaded, replica_id="b", **settings) as b:
         info = httpx.post(f"{a.url}/v1/sessions", json={"system": "Be brief.", "mode": "full"}).json()
         first, second = await ws_turns(a, info, "My name is Kim.", "Nice to meet you.")
-        stored = redis.Redis.from_url(redis_url).hgetall(f"{prefix}:session:{info['session_id']}")
+        stored = redis.Redis.from_url(redis_url).hgetall(session_key(prefix, info["session_id"]))
         data = json.loads(stored[b"data"])  # plain JSON, no pickle
         assert data["messages"][-1]["role"] == "assistant" and len(data["messages"]) == 5
         assert int(stored[b"version"]) == 3  # created, then two turns
@@ -268,7 +269,9 @@ async def test_another_process_restores_a_session_from_redis(loaded, redis_url):
         listed = httpx.get(f"{b.url}/v1/sessions").json()["sessions"]
         assert info["session_id"] in [s["session_id"] for s in listed]
         assert httpx.delete(f"{a.url}/v1/sessions/{info['session_id']}", headers=auth(info)).status_code == 204
-        assert not redis.Redis.from_url(redis_url).exists(f"{prefix}:session:{info['session_id']}")
+        # A tombstone stays for one TTL (no save in flight can bring the session back); its data is gone.
+        tomb = redis.Redis.from_url(redis_url).hgetall(session_key(prefix, info["session_id"]))
+        assert tomb[b"deleted"] == b"1" and b"data" not in tomb and int(tomb[b"version"]) == 6  # 5 saves, then the delete
 
 
 async def test_a_restored_tiered_session_keeps_its_kv(loaded, redis_url):
@@ -284,4 +287,5 @@ async def test_a_restored_tiered_session_keeps_its_kv(loaded, redis_url):
         assert on_b["replica"] == "b"
         assert on_b["usage"]["prefilled_tokens"] < on_b["usage"]["prompt_tokens"] // 2
         assert httpx.delete(f"{b.url}/v1/sessions/{info['session_id']}", headers=auth(info)).status_code == 204
-    assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{namespace}:session*"))
+    left = [k.decode() for k in redis.Redis.from_url(redis_url).scan_iter(match=f"{namespace}:session*")]
+    assert left == [session_key(namespace, info["session_id"])]  # its tombstone alone: no KV key

@@ -13,6 +13,8 @@ import pytest
 from serving_helpers import RedisServer, WsChat, local_server, turn_until_done
 from websockets.exceptions import ConnectionClosed
 
+from tiers.keys import session_key
+
 KEY_A, KEY_B = "alpha-" + uuid.uuid4().hex, "beta-" + uuid.uuid4().hex
 A = {"Authorization": f"Bearer {KEY_A}"}
 B = {"Authorization": f"Bearer {KEY_B}"}
@@ -175,14 +177,14 @@ async def test_every_redis_key_is_in_the_namespace(loaded, tmp_path):
                     break
                 await asyncio.sleep(0.1)
             keys = [k.decode() for k in redis_server.client().scan_iter(count=1000)]
-            assert any(k.endswith(":kv:primary-l0") for k in keys)  # the engine's KV went there too
-            assert f"{namespace}:session:{info['session_id']}" in keys
+            assert any(k.endswith(".primary-l0") for k in keys)  # the engine's KV went there too
+            assert session_key(namespace, info["session_id"]) in keys
             assert keys and all(k.startswith(namespace + ":") for k in keys), keys
             # Ids that would address the session's other keys (or a pattern) are not ids at all.
             for bad in (f"{info['session_id']}:meta", f"{info['session_id']}:kv:primary-l0", "s_*"):
                 r = httpx.get(f"{srv.url}/v1/sessions/{bad}", headers={**A, "x-session-token": info["token"]})
                 assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", r.text
-            stored = redis_server.client().hget(f"{namespace}:session:{info['session_id']}", "data")
+            stored = redis_server.client().hget(session_key(namespace, info["session_id"]), "data")
             record = json.loads(stored)  # JSON, readable without any code from the server
             assert KEY_A not in stored.decode() and record["owner"].startswith("key-")
 

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from serving_helpers import WsChat, local_server, session_detail, turn_until_done
 
+from tiers.keys import kv_key
+
 MODEL = "SmolLM2-135M-Instruct"
 LONG = "The lighthouse keeper wrote in his log about the storm, the ships, and the gulls. " * 3
 
@@ -134,7 +136,7 @@ async def _resumes_with_its_kv(server, info) -> None:
 def _redis_chunks(redis_url: str, namespace: str, sid: str) -> int:
     import redis
 
-    return sum(1 for _ in redis.Redis.from_url(redis_url).scan_iter(match=f"{namespace}:session:{sid}:kv:*"))
+    return sum(1 for _ in redis.Redis.from_url(redis_url).scan_iter(match=kv_key(namespace, sid, "*")))
 
 
 async def test_a_full_replica_makes_room_by_dropping_idle_stored_sessions(loaded, redis_url):

@@ -17,6 +17,7 @@ import torch
 from serving_helpers import BlackHole, RedisServer, WsChat, local_server, session_detail, turn_until_done
 
 from tiers.host import HostFull, HostTier
+from tiers.keys import session_key
 from tiers.redis_client import RedisClient
 from tiers.redis_tier import RedisTier
 
@@ -32,7 +33,7 @@ def messages(server, info) -> list[dict]:
 
 
 def stored_messages(redis_server: RedisServer, namespace: str, info) -> list[dict] | None:
-    raw = redis_server.client().hget(f"{namespace}:session:{info['session_id']}", "data")
+    raw = redis_server.client().hget(session_key(namespace, info["session_id"]), "data")
     return None if raw is None else json.loads(raw)["messages"]
 
 

@@ -14,6 +14,7 @@ from serving_helpers import (
 )
 from websockets.exceptions import ConnectionClosed
 
+from tiers.keys import kv_key
 
 
 async def test_a_replica_killed_mid_turn_loses_no_finished_turn(loaded, redis_url):
@@ -70,7 +71,7 @@ async def test_a_stored_kv_with_chunks_gone_is_re_prefilled_not_trusted(loaded, 
             async with WsChat.open(a.ws_url) as chat:
                 info = await chat.create(mode="tiered", budget=16)
                 await turn_until_done(chat, "The lighthouse keeper wrote about the storm and the gulls. " * 4)
-        chunks = [k for k in r.scan_iter(match=f"{namespace}:session:{info['session_id']}:kv:l*")]
+        chunks = [k for k in r.scan_iter(match=kv_key(namespace, info["session_id"], "l*"))]
         assert chunks, "the test needs cold chunks in Redis"
         r.delete(chunks[0])
         with local_server(loaded, replica_id="b", **settings) as b:

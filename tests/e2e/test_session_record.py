@@ -12,20 +12,23 @@ from serving_helpers import RedisServer, WsChat, local_server, session_detail, t
 
 from app.engine.sampling import SamplingParams
 from bench.haystack import hide
+from tiers.cold_layer import page_names
+from tiers.keys import session_key
 from tiers.redis_tier import decode_tensors
+from tiers.session_kv import table_names
 
 LONG = "Tell me about the history of the printing press in Europe. " * 4
 
 
-def referenced_pages(client, record_key: str, kv: dict) -> set[str]:
-    """The page keys a record's KV names: each layer's page table (in Redis) lists its pages by number."""
+def referenced_keys(client, record_key: str, kv: dict) -> set[str]:
+    """The KV keys a record names: its generation's page tables and primary sets, and the pages they list."""
+    tables = {f"{record_key}:kv:{name}" for name in table_names(kv["gen"], kv["layers"])}
     pages = set()
-    for layer, state in enumerate(kv["cold"]):
-        header, data = client.hmget(f"{record_key}:kv:index-l{layer}", ["header", "data"])
+    for layer in range(kv["layers"]):
+        header, data = client.hmget(f"{record_key}:kv:{kv['gen']}.index-l{layer}", ["header", "data"])
         index, _ = decode_tensors(header, data)
-        numbers = {int(n) for name, ids in index.items() if name.startswith("ids") for n in ids.tolist()}
-        pages |= {f"{record_key}:kv:l{layer}-{state['epoch']}-{n}" for n in numbers}
-    return pages
+        pages |= {f"{record_key}:kv:{name}" for name in page_names(layer, index)}
+    return tables | pages
 
 
 async def test_a_tiered_conversation_leaves_one_record_and_its_kv_pages_nothing_else(loaded, tmp_path):
@@ -38,21 +41,22 @@ async def test_a_tiered_conversation_leaves_one_record_and_its_kv_pages_nothing_
                     await turn_until_done(chat, text)
             client = redis_server.client()
             keys = {k.decode() for k in client.scan_iter(count=1000)}
-            record_key = f"{namespace}:session:{info['session_id']}"
+            record_key = session_key(namespace, info["session_id"])
             kv_keys = {k for k in keys if k.startswith(f"{record_key}:kv:")}
-            # The record, its KV, the listing index and this replica's totals: nothing else (no second copy).
-            assert keys == {record_key, f"{namespace}:sessions", f"{namespace}:replica:test-replica"} | kv_keys
+            # The record, its manifest, its KV, the listing index and this replica's totals: nothing else.
+            assert keys == {record_key, f"{record_key}:keys", f"{namespace}:sessions",
+                            f"{namespace}:replica:test-replica"} | kv_keys
             # Written once at creation and once per turn, compare-and-set.
             assert int(client.hget(record_key, "version")) == 4
             record = json.loads(client.hget(record_key, "data"))
             kv = record["kv"]
-            layers = len(kv["cold"])
-            assert layers > 0 and 0 < kv["history_len"] <= len(record["token_ids"])
-            tables = {f"{record_key}:kv:{kind}-l{i}" for i in range(layers) for kind in ("primary", "index")}
-            pages = referenced_pages(client, record_key, kv)
-            assert pages, "the conversation should have cold pages"
-            # Exactly what the record names: its page tables, primary sets and pages, no orphans.
-            assert kv_keys == tables | pages
+            assert kv["layers"] == len(kv["cold"]) > 0 and 0 < kv["history_len"] <= len(record["token_ids"])
+            named = referenced_keys(client, record_key, kv)
+            assert len(named) > 2 * kv["layers"], "the conversation should have cold pages"
+            # Exactly what the record names: one generation's tables and primary sets, its pages, no orphans;
+            # and the manifest lists exactly those.
+            assert kv_keys == named
+            assert {f"{record_key}:kv:{m.decode()}" for m in client.smembers(f"{record_key}:keys")} == named
 
 
 RUN = r"""

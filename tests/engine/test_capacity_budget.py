@@ -157,4 +157,4 @@ async def test_parked_tiered_session_comes_back_from_redis_without_reprefill(mak
         assert_within_budget(engine)
     finally:
         for s in (a, b):
-            engine.delete_session(s.id)
+            await engine.delete_session(s.id)

@@ -101,7 +101,7 @@ async def test_unknown_session(make_engine, bad_id):
     with pytest.raises(SessionNotFound):
         await engine.chat(bad_id, "hello")
     with pytest.raises(SessionNotFound):
-        engine.delete_session(bad_id)
+        await engine.delete_session(bad_id)
 
 
 async def test_unknown_mode(make_engine):

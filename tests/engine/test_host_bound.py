@@ -50,7 +50,7 @@ async def test_a_host_tier_that_holds_one_session_refuses_the_next_until_room_is
     await refused(engine, second)
     assert second.messages == [] and second.token_ids == []
     assert host.stats.bytes <= host.capacity_bytes and engine.stats()["turns_refused_host_memory"] == 1
-    engine.delete_session(first.id)  # its pages go: room for the other
+    await engine.delete_session(first.id)  # its pages go: room for the other
     assert host.stats.bytes == 0
     done = await engine.complete(second.id, PROMPT, PARAMS)
     assert done.usage.generated_tokens > 0 and done.memory.host_bytes > 0

@@ -51,7 +51,7 @@ async def test_a_host_tier_smaller_than_one_layers_cold_history_changes_no_reply
         host = engine.host_tier
         assert host.stats.spills > 0 and host.stats.bytes <= TIGHT
         assert all(d.memory.redis_bytes_read > 0 for d in dones[1:])  # later turns read pages back from Redis
-        engine.delete_session(tight.id)
+        await engine.delete_session(tight.id)
 
         # Redis stops after the first turn. The pages only Redis held are gone with it, and rebuilding the
         # cache would take far more than the host tier holds, with nowhere to spill: the next turn is

@@ -56,7 +56,7 @@ async def test_every_position_is_in_exactly_one_tier_after_every_turn(make_engin
         assert done.memory.redis_bytes > 0
         assert session.turns[1].readmitted_tokens > 0  # a later turn brought cold tokens back
     finally:
-        engine.delete_session(session.id)
+        await engine.delete_session(session.id)
 
 
 async def test_a_sketch_decoded_ahead_on_the_page_reader_gives_the_same_turns(make_engine, monkeypatch):
@@ -175,7 +175,7 @@ async def test_cold_chunks_lost_with_redis_are_rebuilt_in_the_same_turn(make_eng
             assert engine.host_tier.stats.spills > 0 and engine.host_tier.session_bytes(session.id) == 0
             history = len(session.token_ids)
             redis_server.stop()
-            engine.delete_session(other.id)
+            await engine.delete_session(other.id)
             done = await engine.complete(session.id, LATER[0], PARAMS)
             # The spilled chunks were unreadable: the turn re-prefilled the whole history and answered.
             assert done.finish_reason in ("stop", "length") and done.usage.generated_tokens > 0
@@ -189,7 +189,7 @@ async def test_cold_chunks_lost_with_redis_are_rebuilt_in_the_same_turn(make_eng
             done = await engine.complete(session.id, LATER[1], PARAMS)  # and the session goes on
             assert done.usage.generated_tokens > 0 and done.usage.prefilled_tokens < 40
         finally:
-            engine.delete_session(session.id)
+            await engine.delete_session(session.id)
 
 
 async def test_a_failed_turn_frees_its_host_chunks_and_the_session_goes_on(make_engine):
@@ -212,7 +212,7 @@ async def test_a_failed_turn_frees_its_host_chunks_and_the_session_goes_on(make_
         assert done.usage.generated_tokens > 0 and done.usage.prefilled_tokens == done.usage.prompt_tokens
         assert engine.host_tier.session_bytes(session.id) > 0
     finally:
-        engine.delete_session(session.id)
+        await engine.delete_session(session.id)
 
 
 async def test_a_one_token_reply_applies_its_turns_selection(make_engine):
@@ -232,7 +232,7 @@ async def test_a_one_token_reply_applies_its_turns_selection(make_engine):
         done = await engine.complete(session.id, LATER[1], PARAMS)
         assert done.usage.generated_tokens > 0
     finally:
-        engine.delete_session(session.id)
+        await engine.delete_session(session.id)
 
 
 async def _leave_at_first_token(engine, session, text):

@@ -78,8 +78,12 @@ def test_redis_keys_are_namespaced_with_ttl(redis_tier, redis_url):
     redis_tier.put_pages("s1", {"c1": make_page(2), "c2": make_page(3)})
     client = redis.Redis.from_url(redis_url)
     keys = sorted(k.decode() for k in client.scan_iter(match=f"{redis_tier.ns}:*"))
-    assert keys == [f"{redis_tier.ns}:session:s1:kv:c1", f"{redis_tier.ns}:session:s1:kv:c2"]
-    assert all(0 < client.ttl(k) <= 600 for k in keys)
+    # One hash tag per session (one cluster slot), and a manifest naming every KV key written.
+    head = f"{redis_tier.ns}:session:{{s1}}"
+    assert keys == [f"{head}:keys", f"{head}:kv:c1", f"{head}:kv:c2"]
+    assert {m.decode() for m in client.smembers(f"{head}:keys")} == {"c1", "c2"}
+    # KV outlives the record naming it (a record's TTL is ``ttl_s``).
+    assert all(redis_tier.ttl_s < client.ttl(k) <= redis_tier.kv_ttl_s for k in keys)
     redis_tier.delete_session("s1")
     assert list(client.scan_iter(match=f"{redis_tier.ns}:*")) == []
     assert redis_tier.stats.bytes == 0

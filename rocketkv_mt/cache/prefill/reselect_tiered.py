@@ -31,9 +31,9 @@ from rocketkv_mt.dispatch import choose_over_parts, reselect
 from rocketkv_mt.split_attention import Part, attend_part, join_rows, merge, window_probs
 from rocketkv_mt.standin import StandIn, beside, standin_pages
 from rocketkv_mt.take_rows import take_rows
-from tiers.base import batch_nbytes
 from tiers.cold_layer import ColdLayer, Sketched
 from tiers.residency import ColdResidency
+from tiers.session_kv import StoredLayer
 
 
 def read_bytes(cand: tuple) -> int:
@@ -567,39 +567,57 @@ class ReselectTiered(PrefillPolicy):
 
     # --- persistence -------------------------------------------------------------------------
     def persist(self) -> dict | None:
-        """Write everything Redis lacks (new cold pages, page tables, the primary set); None if Redis is
-        unavailable."""
-        host, sid, cache = self.tiers.host, self.tiers.session_id, self.cache
-        if host.redis is None:
+        """Write a new KV generation (``tiers.session_kv``: new cold pages, page tables, the primary set)
+        and return its reference with what checks it; None if Redis is unavailable or a write failed."""
+        kv, cache = self.tiers.kv, self.cache
+        if not kv.available:
             return None
         self.settle()
-        for i, (cold, store) in enumerate(zip(self.cold, cache.layers)):
-            written = host.persist_many(sid, cold.page_ids())
-            if written is None:
-                return None
-            cache.traffic.redis_bytes_written += written
-            blobs = {
-                f"index-l{i}": cold.index_tensors(),
-                f"primary-l{i}": {"keys": store.keys, "values": store.values, "positions": store.positions},
-            }
-            if not host.redis.put_pages(sid, blobs):
-                return None
-            cache.traffic.redis_bytes_written += sum(batch_nbytes(b) for b in blobs.values())
-        return {"cold": [cold.snapshot() for cold in self.cold]}
+        layers = [StoredLayer(cold.page_ids(), cold.index_tensors(),
+                              {"keys": store.keys, "values": store.values, "positions": store.positions})
+                  for cold, store in zip(self.cold, cache.layers)]
+        got = kv.write(layers)
+        if got is None:
+            return None
+        ref, written = got
+        cache.traffic.redis_bytes_written += written
+        return {**ref, "cold": [cold.snapshot() for cold in self.cold]}
 
     def restore(self, state: dict) -> bool:
-        """Rebuild the primary set and the cold bookkeeping from ``persist``'s record and Redis; False if
-        anything is missing."""
-        redis, sid, spec = self.tiers.host.redis, self.tiers.session_id, self.cache.spec
-        if redis is None or len(state.get("cold", [])) != len(self.cache.layers):
+        """Rebuild the primary set and the cold bookkeeping from the generation ``persist``'s record names,
+        all or nothing: False (the cache left empty) when a part is missing, or when what was read does
+        not hold each position of the history exactly once per KV head (``history_len``)."""
+        kv = self.tiers.kv
+        tables = kv.read(state) if kv.available else None
+        if tables is None or len(tables) != len(self.cache.layers) or len(state.get("cold", [])) != len(tables):
             return False
-        dev = spec.device
-        for i, store in enumerate(self.cache.layers):
-            primary, index = redis.get_pages(sid, [f"primary-l{i}", f"index-l{i}"])
-            if primary is None or index is None:
-                return False
-            store.replace(primary["keys"].to(dev, spec.dtype), primary["values"].to(dev, spec.dtype),
-                          primary["positions"].to(dev))
-            self.cold[i].restore(state["cold"][i], index)
-        # A record outliving one of its pages (a replica killed mid-turn, a key evicted) is not trusted.
-        return redis.has_pages(sid, [pid for cold in self.cold for pid in cold.page_ids()])
+        try:
+            pages = self._restore_tables(tables, state["cold"], int(state["history_len"]))
+        except (KeyError, TypeError, ValueError, RuntimeError):
+            pages = None
+        if pages is None or not kv.adopt(state, pages):
+            self._reset_restored()
+            return False
+        return True
+
+    def _restore_tables(self, tables: list, cold_states: list, history: int) -> list[str] | None:
+        spec, pages = self.cache.spec, []
+        for i, ((index, primary), store, cold) in enumerate(zip(tables, self.cache.layers, self.cold)):
+            pages += cold.restore(cold_states[i], index)
+            positions = primary["positions"]
+            if positions.dim() != 2 or positions.shape[0] != len(cold.ids):
+                return None
+            for head, cold_pos in enumerate(cold.held_per_head()):
+                held = torch.cat([positions[head].long(), cold_pos])
+                if held.numel() != history or not torch.equal(held.sort().values, torch.arange(history)):
+                    return None
+            store.replace(primary["keys"].to(spec.device, spec.dtype), primary["values"].to(spec.device, spec.dtype),
+                          positions.to(spec.device))
+        return pages
+
+    def _reset_restored(self) -> None:
+        """Undo a restore that did not complete: nothing was adopted, so only the bookkeeping goes."""
+        for store in self.cache.layers:
+            store.truncate(0)
+        for cold in self.cold:
+            cold.clear()

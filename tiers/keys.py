@@ -1,0 +1,36 @@
+"""The names of a session's keys in Redis: one hash tag per session, so that they share a cluster slot.
+
+``{ns}:session:{<id>}`` is the session's record (``app.session_store``); its KV lives beside it:
+``…:kv:<name>`` for each page and each generation's page tables and primary set, and ``…:keys``, the
+manifest: a set of every ``<name>`` written under ``…:kv:``, added before the key itself, so that a
+session's KV can be found and removed without scanning the keyspace. The braces make Redis Cluster
+hash only the session id: a session's record, manifest and pages sit in one slot, and a pipeline over
+them is one round trip to one shard.
+"""
+from __future__ import annotations
+
+
+def session_key(ns: str, session_id: str) -> str:
+    return f"{ns}:session:{{{session_id}}}"
+
+
+def kv_key(ns: str, session_id: str, name: str) -> str:
+    return f"{session_key(ns, session_id)}:kv:{name}"
+
+
+def manifest_key(ns: str, session_id: str) -> str:
+    return f"{session_key(ns, session_id)}:keys"
+
+
+def session_pattern(ns: str) -> str:
+    """A ``SCAN MATCH`` pattern for every key of every session (records, manifests and KV)."""
+    return f"{ns}:session:*"
+
+
+def session_of(ns: str, key: str) -> str | None:
+    """The session id a key belongs to, or None for a key that is no session's."""
+    head = f"{ns}:session:{{"
+    if not key.startswith(head):
+        return None
+    end = key.find("}", len(head))
+    return key[len(head) : end] if end >= 0 else None

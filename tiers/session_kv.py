@@ -1,0 +1,136 @@
+"""One session's KV in Redis, by generation: the one owner of how it is named, written, read back,
+committed, collected and removed. The cache policies that keep cold pages call ``write`` and
+``read``/``adopt``; the engine calls ``committed``, ``abandoned`` and ``delete`` when the session's
+record has settled.
+
+A persist writes a new generation: first the pages Redis lacks (pages never change, so generations
+share them), then the generation's own page tables and primary sets, ``<gen>.index-l<i>`` and
+``<gen>.primary-l<i>``. The session's record then names it (``ref``: ``{"gen", "layers"}``) in its
+compare-and-set, the one commit point: a record never names bytes written after it, and a restore
+reads exactly the generation its record names, all or nothing. A generation whose record did not
+commit is removed (``abandoned``); once one commits, the generations before it and the copies of pages
+freed since are collected (``committed``), and after a move the first commit also clears what earlier
+holders left (keys in the manifest that nothing here names).
+
+Lifetimes: the record's TTL is renewed by every save; the KV's (a quarter TTL longer) by a commit at
+least a quarter TTL after the last renewal, and by every read. So KV outlives the record naming it.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from tiers.base import PageBatch, batch_nbytes
+from tiers.host import HostTier
+
+
+def table_names(gen: str, layers: int) -> list[str]:
+    """The names of a generation's page tables and primary sets, layer by layer."""
+    return [name for i in range(layers) for name in (f"{gen}.index-l{i}", f"{gen}.primary-l{i}")]
+
+
+@dataclass(frozen=True)
+class StoredLayer:
+    """What a generation keeps of one layer: its cold pages' ids, its page table and its primary set
+    (named tensors: keys/values (Hkv, kept, d), positions (Hkv, kept))."""
+
+    pages: list[str]
+    index: PageBatch
+    primary: PageBatch
+
+
+def valid_ref(ref: dict) -> tuple[str, int] | None:
+    """A record's generation reference as (gen, layers), or None where it is not one."""
+    gen, layers = ref.get("gen"), ref.get("layers")
+    if isinstance(gen, str) and gen.isalnum() and isinstance(layers, int) and layers > 0:
+        return gen, layers
+    return None
+
+
+class SessionKV:
+    def __init__(self, host: HostTier, session_id: str):
+        self.host, self.sid, self.redis = host, session_id, host.redis
+
+    @property
+    def available(self) -> bool:
+        return self.redis is not None
+
+    def write(self, layers: list[StoredLayer]) -> tuple[dict, int] | None:
+        """Write a new generation: (its reference, for the record; bytes written), or None when a write
+        failed (what it wrote is then removed, as for a record that did not commit)."""
+        if self.redis is None:
+            return None
+        gen = secrets.token_hex(6)
+        self.host.hold(self.sid, gen, len(layers), [pid for layer in layers for pid in layer.pages])
+        written = 0
+        for layer in layers:
+            n = self.host.persist_many(self.sid, layer.pages)
+            if n is None:
+                self.abandoned({"gen": gen, "layers": len(layers)})
+                return None
+            written += n
+        tables = dict(zip(table_names(gen, len(layers)), (t for layer in layers for t in (layer.index, layer.primary))))
+        if not self.redis.put_pages(self.sid, tables):
+            self.abandoned({"gen": gen, "layers": len(layers)})
+            return None
+        return {"gen": gen, "layers": len(layers)}, written + sum(batch_nbytes(t) for t in tables.values())
+
+    def read(self, ref: dict) -> list[tuple[PageBatch, PageBatch]] | None:
+        """The page table and primary set of each layer of the generation ``ref`` names; None when the
+        reference is malformed or any of them is missing."""
+        parsed = valid_ref(ref) if self.redis is not None else None
+        if parsed is None:
+            return None
+        got = self.redis.get_pages(self.sid, table_names(*parsed))
+        if any(t is None for t in got):
+            return None
+        return [(got[i], got[i + 1]) for i in range(0, len(got), 2)]
+
+    def adopt(self, ref: dict, pages: list[str]) -> bool:
+        """Whether Redis holds every page the generation names (their TTLs renewed on the way); if so the
+        host tier takes them as this session's, named by that generation."""
+        parsed = valid_ref(ref)
+        found = self.redis.renew_pages(self.sid, pages) if parsed is not None and self.redis is not None else None
+        if found is None or not all(found):
+            return False
+        self.host.adopt(self.sid, parsed[0], parsed[1], pages)
+        return True
+
+    def committed(self, ref: dict) -> None:
+        """The record naming ``ref`` committed: remove the generations before it and the page copies
+        nothing names now; renew the session's keys when a quarter TTL has passed since the last time."""
+        parsed = valid_ref(ref)
+        if parsed is None or self.redis is None:
+            return
+        done = self.host.commit(self.sid, parsed[0])
+        names = [n for gen, layers in done.gens.items() for n in table_names(gen, layers)] + done.pages
+        if done.sweep:
+            names += self._strays()
+        self.redis.delete_pages(self.sid, names)
+        if self.host.due_renewal(self.sid, self.redis.ttl_s / 4) and self.redis.renew_session(self.sid):
+            self.host.renewed(self.sid)
+
+    def abandoned(self, ref: dict) -> None:
+        """The record naming ``ref`` was not committed: its generation goes, and the page copies that
+        only it named."""
+        parsed = valid_ref(ref)
+        if parsed is None or self.redis is None:
+            return
+        done = self.host.abandon(self.sid, parsed[0])
+        self.redis.delete_pages(self.sid, [*table_names(*parsed), *done.pages])
+
+    def _strays(self) -> list[str]:
+        """Names in the manifest that nothing here needs: what an earlier holder wrote after its last
+        commit, or freed without committing again (it crashed, or lost the session to this process)."""
+        names = self.redis.manifest(self.sid)
+        if names is None:
+            return []
+        pages, gens = self.host.kept(self.sid)
+        keep = pages | {n for gen, layers in gens.items() for n in table_names(gen, layers)}
+        return sorted(names - keep)
+
+    def delete(self) -> bool:
+        """The session is deleted: its host slots go, and every KV key its manifest names. False when
+        Redis failed (the keys are left to their TTL)."""
+        self.host.forget_session(self.sid)
+        return self.redis.delete_session(self.sid) if self.redis is not None else True
