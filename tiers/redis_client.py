@@ -134,6 +134,8 @@ class RedisClient:
         return None
 
     def close(self) -> None:
+        if not self._loop.is_running():  # closed already (a service closes its engine, and so may its owner)
+            return
         try:  # not through the breaker: closing sends nothing
             asyncio.run_coroutine_threadsafe(self.redis.aclose(), self._loop).result(self.timeout_s * 3)
         except Exception:  # noqa: BLE001 - closing a connection that is already gone

@@ -1,0 +1,121 @@
+"""A delete is final: a save in flight cannot bring the session back, a job of its cache on the model
+thread cannot leak host slots or leave keys behind, and a replica that holds a copy of a session deleted
+elsewhere never serves it again. Real model, real (private) Redis."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import pytest
+from serving_helpers import RedisServer
+
+from app.chat_service import ChatService
+from app.contract.errors import SessionNotFound
+from app.contract.events import Done
+from app.contract.ids import new_session_id
+from app.session_store import TOMBSTONE, SessionStore
+from tiers.keys import session_key, session_pattern
+
+LONG = "The lighthouse keeper wrote about the storm, the gulls and the ships that passed by. " * 6
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    with RedisServer(tmp_path) as server:
+        yield server
+
+
+def replica(make_engine, url: str, ns: str, name: str) -> ChatService:
+    engine = make_engine(mode="tiered", token_budget=32, redis_url=url, redis_namespace=ns, page_tokens=8)
+    return ChatService(engine, name, SessionStore(engine.redis.client, ns))
+
+
+async def turn(service: ChatService, sid: str, token: str, text: str) -> Done:
+    events = [e async for e in service.chat(sid, token, text, {"max_tokens": 4})]
+    assert isinstance(events[-1], Done), events[-1]
+    return events[-1]
+
+
+async def new_session(service: ChatService) -> tuple[str, str]:
+    sid = new_session_id()
+    token = (await service.create_session(sid, mode="tiered"))["token"]
+    await turn(service, sid, token, LONG)
+    return sid, token
+
+
+def keys_left(server: RedisServer, ns: str) -> set[str]:
+    return {k.decode() for k in server.client().scan_iter(match=session_pattern(ns), count=1000)}
+
+
+def assert_deleted(service: ChatService, server: RedisServer, ns: str, sid: str) -> None:
+    """Only the tombstone is left of the session: no KV key, no host slot, not in the engine."""
+    assert keys_left(server, ns) == {session_key(ns, sid)}
+    assert server.client().hget(session_key(ns, sid), "deleted") == b"1"
+    host = service.engine.host_tier
+    assert host.session_bytes(sid) == 0 and host.pool.free_count() == host.max_slots - host.stats.entries
+    assert sid not in service.engine.sessions
+
+
+async def test_a_save_in_flight_when_the_session_is_deleted_does_not_bring_it_back(make_engine, redis_server):
+    ns = f"rkvdel-{secrets.token_hex(3)}"
+    service = replica(make_engine, redis_server.url, ns, "a")
+    try:
+        sid, token = await new_session(service)
+        session = service.engine.sessions[sid]
+        store, original = service.store, service.store.save
+        held, go = asyncio.Event(), asyncio.Event()
+
+        async def held_save(*args):
+            held.set()
+            await go.wait()  # the KV was written; the record's compare-and-set waits here
+            return await original(*args)
+
+        store.save = held_save
+        saving = asyncio.create_task(service.repository.save(session, service.access.digest(sid)))
+        await asyncio.wait_for(held.wait(), 30)
+        await service.delete_session(sid, token)
+        go.set()
+        await saving
+        assert await store.version(sid) == TOMBSTONE and await store.load(sid) is None
+        assert_deleted(service, redis_server, ns, sid)
+        with pytest.raises(SessionNotFound):
+            await service.resume_session(sid, token)
+    finally:
+        await service.close()
+
+
+async def test_a_delete_waits_for_the_jobs_of_its_cache_on_the_model_thread(make_engine, redis_server):
+    ns = f"rkvdel-{secrets.token_hex(3)}"
+    service = replica(make_engine, redis_server.url, ns, "a")
+    try:
+        sid, token = await new_session(service)
+        cache = service.engine.sessions[sid].cache
+
+        def late_persist():  # a persist (or park) job already queued when the delete comes
+            time.sleep(0.3)
+            return cache.persist()
+
+        job = service.engine.batcher.submit(late_persist)
+        await service.delete_session(sid, token)
+        assert job.done() and job.result() is not None  # it ran first, and wrote to Redis
+        assert_deleted(service, redis_server, ns, sid)
+    finally:
+        await service.close()
+
+
+async def test_a_copy_of_a_session_deleted_elsewhere_never_serves_again(make_engine, redis_server):
+    ns = f"rkvdel-{secrets.token_hex(3)}"
+    a, b = (replica(make_engine, redis_server.url, ns, name) for name in ("a", "b"))
+    try:
+        sid, token = await new_session(a)
+        await b.delete_session(sid, token)  # b restores it from its record, then deletes it
+        with pytest.raises(SessionNotFound):
+            await a.get_session(sid, token)
+        failed = [e async for e in a.chat(sid, token, "Still there?", {"max_tokens": 4})]
+        assert getattr(failed[-1], "code", None) == "session_not_found"
+        for service in (a, b):
+            assert_deleted(service, redis_server, ns, sid)
+    finally:
+        await a.close()
+        await b.close()
