@@ -3,9 +3,9 @@ checks of what a client sends (messages, sampling values).
 
 A session is rebuilt here from its public fields with ``cache=None`` and handed to the engine
 (``Engine.adopt``), after every field has been checked (nothing is made and thrown away to
-validate). Its next turn restores the cache from the record's ``kv`` (what the cache's
-``persist()`` wrote to Redis) when there is one and every page it names is still there, else
-prefills the whole ``token_ids`` into a fresh cache. Nothing here touches tensors.
+validate). Its next turn restores the cache from the KV generation the record's ``kv`` names
+(``tiers.session_kv``) when there is one and it is whole, else prefills the whole ``token_ids`` into
+a fresh cache. Nothing here touches tensors.
 """
 from __future__ import annotations
 

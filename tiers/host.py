@@ -10,8 +10,11 @@ One lock guards the index, the counters and the pool, and no call to Redis is ev
 spill marks its pages as spilling and copies them under the lock, writes them with the lock released,
 and frees their slots under it again; reads, persists and frees likewise talk to Redis between two
 holds. So the page reader may demote one session's pages while the model thread reads another's, and
-a Redis that does not answer stalls only the caller that waits on it. Called by ``tiers.cold_layer``
-(pages), the engine (admission, dropping a session) and the replica's status (counters).
+a Redis that does not answer stalls only the caller that waits on it. Which pages Redis holds, and
+which KV generations name them, is ``tiers.redis_copies``' bookkeeping, kept under the same lock: a
+copy a generation names outlives its page's free, and a belief that Redis holds a page is checked
+before a spill or a persist relies on it. Called by ``tiers.cold_layer`` (pages), ``tiers.session_kv``
+(generations), the engine (admission, dropping a session) and the replica's status (counters).
 """
 from __future__ import annotations
 
