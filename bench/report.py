@@ -246,7 +246,9 @@ def _soak(d: dict) -> list[str]:
     lines = [f"{s['sessions']} clients on {s['replicas']} replicas for {s['duration_s']:.0f} s (wall "
              f"{d['wall_s']:.0f} s), mode `{s['mode']}`, budget {s['budget']}, {s['max_tokens']} tokens a reply, "
              f"host tier {_mb(s['host_tier_bytes'])}; sessions of {s['session_turns'][0]}-{s['session_turns'][1]} "
-             f"turns. {restarts['replica']} replica restarts (kill -9), {restarts['redis']} Redis restart(s)"
+             f"turns. {restarts['replica']} replica restarts (kill -9"
+             + (", not waiting for unsaved sessions" if s.get("kill_unsaved") else "")
+             + f"), {restarts['redis']} Redis restart(s)"
              + (f", {restarts['failed']} failed" if restarts.get("failed") else "") + ". "
              + ("**No violation.**" if d["ok"] else "**Violations found.**"), ""]
     rows = [["turns acknowledged", d["turns_done"]], ["of them on a retry", d["turns_replayed"]]]

@@ -7,7 +7,8 @@ tier, a few tokens a reply, one thread: quick on a small CPU). ``--sessions`` cl
 (``bench.soak_client``) talk to them through the REST API for ``--duration`` seconds: each opens a
 session, takes a random number of short turns and deletes it, then opens the next. Meanwhile every
 ``--restart-every`` seconds one replica is killed (SIGKILL) and started again, and once (at
-``--redis-restart-at`` of the run) Redis is shut down and started again on its AOF.
+``--redis-restart-at`` of the run) Redis is shut down and started again on its AOF; one fault at a
+time, each after the replicas saved what Redis missed (``--kill-unsaved``: not waiting for that).
 
 Then, with every process up and every replica's unsaved sessions saved (``bench.soak_checks``):
 
@@ -81,12 +82,35 @@ def fault_plan(args) -> list[tuple[float, str, int]]:
     return sorted(plan)
 
 
+async def unsaved(http: httpx.AsyncClient, url: str) -> int | None:
+    """Sessions the replica holds that Redis lacks (``/healthz``); None while it or its Redis is not ok."""
+    try:
+        health = (await http.get(f"{url}/healthz")).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return int(health.get("unsaved_sessions") or 0) if health.get("status") == "ok" else None
+
+
+async def all_saved(http: httpx.AsyncClient, cluster: Cluster, timeout: float) -> bool:
+    """Wait until every replica is healthy with nothing unsaved; False if ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if all(n == 0 for n in [await unsaved(http, url) for url in cluster.urls]):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.5)
+
+
 class Faults:
     """Runs the plan, one fault after another, until it ends or ``stop`` is set (a fault under way
-    finishes first: its process comes back)."""
+    finishes first: its process comes back). Each waits ``settle_s`` after the one before and, unless
+    ``kill_unsaved``, until every replica has saved what Redis missed (at most ``settle_max_s``): a turn
+    acknowledged while Redis was down lives in one replica's memory until then, and killing that replica
+    loses it by design. Each kill says how many sessions its replica had not saved."""
 
-    def __init__(self, cluster: Cluster, plan, args, say):
-        self.cluster, self.plan, self.args, self.say = cluster, plan, args, say
+    def __init__(self, cluster: Cluster, plan, args, http: httpx.AsyncClient, say):
+        self.cluster, self.plan, self.args, self.http, self.say = cluster, plan, args, http, say
         self.stop = asyncio.Event()
         self.restarts = Counter()
         self.events: list[dict[str, Any]] = []
@@ -98,15 +122,24 @@ class Faults:
     async def run(self, t0: float) -> None:
         ready = t0
         for at, what, which in self.plan:
-            start = max(t0 + at, ready)  # never two at once, and the replicas get to save what they owe
+            start = max(t0 + at, ready)  # never two at once
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), timeout=max(0.0, start - time.monotonic()))
             if self.stop.is_set():
                 return
+            if not self.args.kill_unsaved:
+                waited = time.monotonic()
+                saved = await all_saved(self.http, self.cluster, self.args.settle_max_s)
+                if not saved or time.monotonic() - waited > 1:
+                    self._log(t0, f"waited {time.monotonic() - waited:.0f} s for the replicas to save"
+                              + ("" if saved else " (gave up)"))
+                if self.stop.is_set():
+                    return
             try:
                 if what == "replica":
                     replica = self.cluster.replicas[which]
-                    self._log(t0, f"kill -9 {replica.name}")
+                    owed = await unsaved(self.http, replica.url)
+                    self._log(t0, f"kill -9 {replica.name} ({'?' if owed is None else owed} sessions unsaved)")
                     await asyncio.to_thread(replica.restart, self.args.replica_down_s)
                     self._log(t0, f"{replica.name} up again")
                 else:
@@ -128,16 +161,7 @@ async def quiesce(http: httpx.AsyncClient, cluster: Cluster, timeout: float = QU
     for replica in cluster.replicas:
         if replica.proc is None or replica.proc.poll() is not None:
             await asyncio.to_thread(replica.restart, 0)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            healths = [(await http.get(f"{url}/healthz")).json() for url in cluster.urls]
-        except (httpx.HTTPError, ValueError):
-            healths = []
-        if healths and all(h.get("status") == "ok" and not h.get("unsaved_sessions") for h in healths):
-            return True
-        await asyncio.sleep(0.5)
-    return False
+    return await all_saved(http, cluster, timeout)
 
 
 # --- the checks over HTTP ----------------------------------------------------------------------
@@ -230,7 +254,8 @@ async def check_histories(http, cluster: Cluster, logs: list[SessionLog]) -> dic
                 bad.append({"session": s.sid, "turns_acknowledged": len(s.turns), "gave_up": s.gave_up,
                             **found.as_dict()})
     return {"sessions": checked, "violations": len(bad) + len(lost_sessions) + len(unreadable), "turns": dict(turns),
-            "lost_sessions": len(lost_sessions), "unreadable": len(unreadable), "examples": bad[:EXAMPLES]}
+            "lost_sessions": len(lost_sessions), "unreadable": len(unreadable), "examples": bad[:EXAMPLES],
+            "lost_examples": lost_sessions[:EXAMPLES], "unreadable_examples": unreadable[:EXAMPLES]}
 
 
 async def check_deleted(http, cluster: Cluster, logs: list[SessionLog], redis) -> dict[str, Any]:
@@ -278,7 +303,7 @@ async def soak(args, cluster: Cluster, say) -> dict[str, Any]:
                        move_prob=args.move_prob, think_s=args.think_s, timeout_s=args.timeout)
         tally = Tally()
         clients = [Client(i, http, cluster.urls, opts, tally, seed=args.seed * 1000 + i) for i in range(args.sessions)]
-        faults = Faults(cluster, fault_plan(args), args, say)
+        faults = Faults(cluster, fault_plan(args), args, http, say)
         t0 = time.monotonic()
         stop_at, drain_at = t0 + args.duration, t0 + args.duration + args.drain
         fault_task = asyncio.create_task(faults.run(t0))
@@ -318,7 +343,7 @@ async def soak(args, cluster: Cluster, say) -> dict[str, Any]:
             "host_tier_bytes": args.host_tier_mib * 1024 * 1024, "session_turns": list(opts.turns),
             "move_prob": args.move_prob, "restart_every_s": args.restart_every, "replica_down_s": args.replica_down_s,
             "redis_restart_at": args.redis_restart_at, "redis_down_s": args.redis_down_s, "settle_s": args.settle_s,
-            "seed": args.seed,
+            "kill_unsaved": args.kill_unsaved, "seed": args.seed,
         },
         "server_command": cluster.replicas[0].command(),
         "wall_s": round(wall, 1),

@@ -171,7 +171,11 @@ def add_soak_parser(bench) -> None:
                    help="when Redis is shut down and started again on its AOF, as a fraction of --duration (0: never)")
     p.add_argument("--redis-down-s", type=float, default=5.0, help="seconds Redis stays down")
     p.add_argument("--settle-s", type=float, default=10.0,
-                   help="seconds after a restart before the next one may start (the replicas save what Redis missed)")
+                   help="seconds after a restart before the next one may start")
+    p.add_argument("--settle-max-s", type=float, default=120.0,
+                   help="most seconds a restart waits for every replica to have saved what Redis missed")
+    p.add_argument("--kill-unsaved", action="store_true",
+                   help="do not wait for that: a replica may die holding turns acknowledged while Redis was down")
     p.add_argument("--drain", type=float, default=60.0, help="seconds a turn or delete under way at the end may retry")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     p.add_argument("--namespace", default="soak", help="the replicas' Redis key namespace")
