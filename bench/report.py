@@ -53,6 +53,13 @@ ABOUT = {
              "(`--stall`): sessions stream long replies, then a long first message arrives in one more "
              "session; the ratio is the longest pause a stream saw while it was prefilled over the 95th "
              "percentile gap between tokens before it.",
+    "soak": "Sessions kept through faults (`rocketkv-mt bench soak`): a private Redis with AOF and replica "
+            "processes; clients take short REST turns, delete their sessions after a random number of turns and "
+            "open new ones, and move between replicas, while replicas are killed (SIGKILL) and started again and "
+            "Redis is shut down and started again on its AOF. Then: every surviving session's history (messages "
+            "and token ids) is what its client was acknowledged, no deleted session answers on any replica, no "
+            "Redis key of the session namespace lacks a live record, and each replica's used host-tier bytes are "
+            "its live sessions' sum. Failed attempts (retried) are counted by kind; a violation fails the run.",
     "rounds": "The load bench's conversations in one process with every model step recorded "
               "(`rocketkv-mt bench rounds`): each round of concurrent short turns as its prefill and decode "
               "steps, beside a turn alone.",
@@ -210,6 +217,51 @@ def _stall(d: dict) -> list[str]:
     return lines + _table(["p95 gap before", "longest pause", "ratio", "p95 gap during", "the long message"], rows)
 
 
+SOAK_CHECKS = (
+    ("history", "surviving sessions whose history differs from what was acknowledged", "history"),
+    ("lost_turns", "acknowledged turns lost", None),
+    ("duplicated_turns", "acknowledged turns duplicated", None),
+    ("deleted_answering", "deleted sessions answering on a replica", "deleted"),
+    ("orphan_keys", "Redis keys of the session namespace without a live record", "orphan_keys"),
+    ("host_slots", "replicas whose used host-tier bytes are not their live sessions' sum", "host_slots"),
+)
+
+
+def _soak_checked(d: dict, check: str | None) -> str:
+    """What a check looked at: sessions, keys' sessions or replicas."""
+    c = d["checks"]
+    if check == "history":
+        return f"{c['history']['sessions']} sessions"
+    if check == "deleted":
+        return f"{c['deleted']['sessions']} sessions"
+    if check == "orphan_keys":
+        return "every key"
+    if check == "host_slots":
+        return f"{len(c['host_slots'])} replicas"
+    return f"{c['history']['turns'].get('acknowledged', 0)} turns"
+
+
+def _soak(d: dict) -> list[str]:
+    s, restarts = d["soak"], d["restarts"]
+    lines = [f"{s['sessions']} clients on {s['replicas']} replicas for {s['duration_s']:.0f} s (wall "
+             f"{d['wall_s']:.0f} s), mode `{s['mode']}`, budget {s['budget']}, {s['max_tokens']} tokens a reply, "
+             f"host tier {_mb(s['host_tier_bytes'])}; sessions of {s['session_turns'][0]}-{s['session_turns'][1]} "
+             f"turns. {restarts['replica']} replica restarts (kill -9"
+             + (", not waiting for unsaved sessions" if s.get("kill_unsaved") else "")
+             + f"), {restarts['redis']} Redis restart(s)"
+             + (f", {restarts['failed']} failed" if restarts.get("failed") else "") + ". "
+             + ("**No violation.**" if d["ok"] else "**Violations found.**"), ""]
+    rows = [["turns acknowledged", d["turns_done"]], ["of them on a retry", d["turns_replayed"]]]
+    rows += [[f"turn attempts failed: `{kind}`", n] for kind, n in d["turns_failed"].items()]
+    rows += [[f"other requests failed: `{kind}`", n] for kind, n in d["requests_failed"].items()]
+    rows += [["sessions opened", d["sessions_created"]], ["sessions deleted", d["deletes"]],
+             ["sessions surviving", d["sessions_surviving"]], ["turns left in doubt", d["turns_in_doubt"]]]
+    rows += [[f"sessions given up: {why}", n] for why, n in d["sessions_given_up"].items()]
+    lines += _table(["what", "count"], rows) + [""]
+    rows = [[what, _soak_checked(d, check), d["violations"].get(name, 0)] for name, what, check in SOAK_CHECKS]
+    return lines + _table(["check", "checked", "violations"], rows)
+
+
 def _rounds(d: dict) -> list[str]:
     phases = [("context messages", d["context_phase"])]
     phases += [(f"round {i}", r) for i, r in enumerate(d["rounds"], 1)]
@@ -267,8 +319,8 @@ def _fields(d: dict) -> list[str]:
 
 TABLES: dict[str, Callable[[dict], list[str]]] = {
     "eval": _eval, "needle": _needle, "fidelity": _fidelity, "history-swap": _history_swap, "scaling": _scaling,
-    "decode": _decode, "capacity": _capacity, "prefill-peak": _prefill_peak, "ttft": _ttft, "serve": _serve, "stall": _stall, "rounds": _rounds,
-    "hsa": _hsa, "linear": _linear, "ops": _ops,
+    "decode": _decode, "capacity": _capacity, "prefill-peak": _prefill_peak, "ttft": _ttft, "serve": _serve,
+    "stall": _stall, "soak": _soak, "rounds": _rounds, "hsa": _hsa, "linear": _linear, "ops": _ops,
 }
 
 

@@ -12,7 +12,7 @@ RESULTS = ROOT / "results"
 # Benchmarks in the order the report lists them: what a user weighs first (recall, then speed and
 # memory) before the lower-level timings. A folder not named here is listed after them.
 ORDER = ("eval", "needle", "fidelity", "history-swap", "scaling", "decode", "capacity", "prefill-peak", "ttft",
-         "serve", "rounds", "hsa", "linear", "ops", "gpu")
+         "serve", "soak", "rounds", "hsa", "linear", "ops", "gpu")
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,10 @@ class Result:
 
 def kind(data: dict, path: Path | None = None) -> str:
     """Which benchmark wrote ``data``: ``eval``, ``decode``, ``scaling``, ``capacity``, ``serve``
-    (load), ``stall`` (``bench serve --stall``), ... or, failing those fields, the file's folder."""
+    (load), ``stall`` (``bench serve --stall``), ``soak``, ... or, failing those fields, the file's folder."""
     modes = data.get("modes")
+    if "turns_failed" in data and "violations" in data:
+        return "soak"
     if "stall_tokens" in data:
         return "stall"
     if "aggregate_tokens_per_s" in data:

@@ -141,11 +141,50 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar (there is none where stderr is not a terminal)")
     p.set_defaults(func=_run("bench.scaling"))
 
+    add_soak_parser(bench)
     add_history_swap_parser(bench)
     add_ruler_tasks_parser(bench)
     add_fidelity_parser(bench)
     add_gpu_parsers(bench)
     add_report_parsers(bench)
+
+
+def add_soak_parser(bench) -> None:
+    p = bench.add_parser("soak", help="a private Redis (AOF) and replica processes under sessions, deletes, replica "
+                         "kills and a Redis restart; then checks histories, deletes, Redis keys and host slots "
+                         "(exits 1 on a violation)")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds the clients run")
+    p.add_argument("--sessions", type=int, default=32, help="clients, each with one session at a time")
+    p.add_argument("--replicas", type=int, default=2, help="replica processes")
+    p.add_argument("--mode", default="tiered", help="cache mode of the sessions")
+    p.add_argument("--model", default=None, help="the replicas' model (default: the bundled SmolLM2-135M)")
+    p.add_argument("--budget", type=int, default=32, help="the replicas' RocketKV token budget")
+    p.add_argument("--max-tokens", type=int, default=4, help="tokens a reply")
+    p.add_argument("--host-tier-mib", type=int, default=16, help="each replica's host tier bound (small: pages spill)")
+    p.add_argument("--session-turns", default="3-20", help="MIN-MAX turns of a session before its client deletes it")
+    p.add_argument("--move-prob", type=float, default=0.25, help="chance a turn goes to another replica than the last")
+    p.add_argument("--think-s", type=float, default=0.2, help="most seconds a client waits between turns")
+    p.add_argument("--restart-every", type=float, default=60.0,
+                   help="seconds between replica restarts (kill -9, then start again; 0: none)")
+    p.add_argument("--replica-down-s", type=float, default=2.0, help="seconds a killed replica stays down")
+    p.add_argument("--redis-restart-at", type=float, default=0.5,
+                   help="when Redis is shut down and started again on its AOF, as a fraction of --duration (0: never)")
+    p.add_argument("--redis-down-s", type=float, default=5.0, help="seconds Redis stays down")
+    p.add_argument("--settle-s", type=float, default=10.0,
+                   help="seconds after a restart before the next one may start")
+    p.add_argument("--settle-max-s", type=float, default=120.0,
+                   help="most seconds a restart waits for every replica to have saved what Redis missed")
+    p.add_argument("--kill-unsaved", action="store_true",
+                   help="do not wait for that: a replica may die holding turns acknowledged while Redis was down")
+    p.add_argument("--drain", type=float, default=60.0, help="seconds a turn or delete under way at the end may retry")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
+    p.add_argument("--namespace", default="soak", help="the replicas' Redis key namespace")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", default=None, help="folder of Redis' AOF and the replicas' logs (default: a temporary one)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--quiet", action="store_true", help="no progress bar or event lines")
+    p.set_defaults(func=_run("bench.soak"))
 
 
 def add_report_parsers(bench) -> None:
