@@ -39,7 +39,7 @@ import httpx
 
 from app.progress import progress
 from bench.common import write_json
-from bench.soak_checks import compare_history, host_slots, orphan_keys, session_key, session_of
+from bench.soak_checks import compare_history, host_slots, orphan_keys, record_of, session_key, session_of
 from bench.soak_client import Client, Options, SessionLog, Tally
 from bench.soak_procs import Cluster
 
@@ -270,7 +270,7 @@ async def check_deleted(http, cluster: Cluster, logs: list[SessionLog], redis) -
         if answered:
             answering.append({"session": s.sid, "answered": answered})
     records = await asyncio.to_thread(
-        lambda: sum(1 for s in deleted if redis.exists(session_key(cluster.namespace, s.sid))))
+        lambda: sum(1 for s in deleted if record_of(redis, session_key(cluster.namespace, s.sid)) is not None))
     return {"sessions": len(deleted), "answering": len(answering), "records_left": records,
             "examples": answering[:EXAMPLES]}
 

@@ -1,7 +1,7 @@
 """The checks of ``bench soak``, apart from the run that feeds them, so that each can be tested (and its
 rule tightened) on its own.
 
-- ``orphan_keys``: Redis keys under the session namespace whose session has no live record.
+- ``orphan_keys``: Redis keys under the session namespace that no record names.
 - ``compare_history``: a session's history as the server reads it back against what its client sent
   and was acknowledged: turns lost, duplicated, changed or unexpected, token ids rewritten.
 - ``host_slots``: a replica's used host-tier bytes (slots times the page size) against the sum of the
@@ -9,65 +9,74 @@ rule tightened) on its own.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.session_store import SessionStore
+from tiers.cold_layer import page_names
+from tiers.keys import kv_key, manifest_key, session_key, session_of, session_pattern
+from tiers.redis_tier import decode_tensors
+from tiers.session_kv import table_names, valid_ref
 
-
-@dataclass(frozen=True)
-class _Namespace:
-    """What ``SessionStore.key`` reads of its store: the namespace. The bench names keys through the
-    store's own helper, so a change of the layout shows here rather than in a copy of it."""
-
-    ns: str
-
-
-def session_key(namespace: str, session_id: str) -> str:
-    """The key of a session's record, as the store spells it."""
-    return SessionStore.key(_Namespace(namespace), session_id)
-
-
-def session_prefix(namespace: str) -> str:
-    """What every key of every session starts with (the record's key with an empty id)."""
-    return session_key(namespace, "")
-
-
-def session_of(namespace: str, key: str) -> str | None:
-    """The session a key belongs to (its record or one of its KV keys), None outside the namespace."""
-    prefix = session_prefix(namespace)
-    if not key.startswith(prefix):
-        return None
-    return key[len(prefix):].split(":", 1)[0] or None
-
+__all__ = ["session_key", "session_of"]  # the bench names keys as the store and the tier do
 
 # A rule: (redis client, the session's record key, that session's keys found) -> the keys among them
 # that no live record owns.
 Rule = Callable[[Any, str, list[str]], list[str]]
 
 
-def record_is_live(redis, record_key: str) -> bool:
-    """A record is live when its hash holds a version and data. The rule to tighten once deletes leave
-    tombstones (a tombstone is not live) and records name their KV generations (``owned_by_record``)."""
+def record_of(redis, record_key: str) -> dict | None:
+    """A live record's data (version and data present, no tombstone), else None."""
     if redis.type(record_key) not in (b"hash", "hash"):
-        return False
-    version, data = redis.hmget(record_key, "version", "data")
-    return version is not None and data is not None
+        return None
+    version, data, deleted = redis.hmget(record_key, "version", "data", "deleted")
+    if version is None or data is None or deleted is not None:
+        return None
+    return json.loads(data)
 
 
-def owned_by_record(redis, record_key: str, keys: list[str]) -> list[str]:
-    """The default rule: a live record owns every key of its session; without one, all are orphans
-    (the record's own key too, when it is there but not live). A stricter rule would also check each KV
-    key against the generation its record names."""
-    return [] if record_is_live(redis, record_key) else list(keys)
+def is_tombstone(redis, record_key: str) -> bool:
+    return redis.type(record_key) in (b"hash", "hash") and redis.hget(record_key, "deleted") is not None
 
 
-def orphan_keys(redis, namespace: str, rule: Rule = owned_by_record, count: int = 1000) -> list[str]:
-    """``SCAN`` the keys under ``namespace``'s session prefix and return, sorted, those whose session has
-    no live record by ``rule``. ``redis`` is a synchronous ``redis.Redis`` client."""
+def named_keys(redis, namespace: str, sid: str, kv: dict | None) -> set[str]:
+    """The keys a record names: itself, its manifest, and its KV generation's tables and the pages
+    they list (``tiers.session_kv``)."""
+    named = {session_key(namespace, sid), manifest_key(namespace, sid)}
+    parsed = valid_ref(kv) if isinstance(kv, dict) else None
+    if parsed is None:
+        return named
+    gen, layers = parsed
+    names = set(table_names(gen, layers))
+    for layer in range(layers):
+        header, data = redis.hmget(kv_key(namespace, sid, f"{gen}.index-l{layer}"), "header", "data")
+        if header is not None:
+            names |= set(page_names(layer, decode_tensors(header, data)[0]))
+    return named | {kv_key(namespace, sid, n) for n in names}
+
+
+def named_by_record(namespace: str) -> Rule:
+    """The rule: a key is owned when its session's record names it (a live record: itself, its
+    manifest, its generation's tables and pages; a tombstone: itself alone)."""
+
+    def rule(redis, record_key: str, keys: list[str]) -> list[str]:
+        sid = session_of(namespace, record_key)
+        data = record_of(redis, record_key)
+        if data is None:
+            return [k for k in keys if not (k == record_key and is_tombstone(redis, record_key))]
+        named = named_keys(redis, namespace, sid, data.get("kv"))
+        return [k for k in keys if k not in named]
+
+    return rule
+
+
+def orphan_keys(redis, namespace: str, rule: Rule | None = None, count: int = 1000) -> list[str]:
+    """``SCAN`` the keys under ``namespace``'s session prefix and return, sorted, those no record owns
+    by ``rule`` (default ``named_by_record``). ``redis`` is a synchronous ``redis.Redis`` client."""
+    rule = rule or named_by_record(namespace)
     by_session: dict[str, list[str]] = {}
-    for raw in redis.scan_iter(match=session_prefix(namespace) + "*", count=count):
+    for raw in redis.scan_iter(match=session_pattern(namespace), count=count):
         key = raw.decode() if isinstance(raw, bytes) else raw
         sid = session_of(namespace, key)
         if sid is not None:

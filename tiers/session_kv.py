@@ -9,8 +9,9 @@ share them), then the generation's own page tables and primary sets, ``<gen>.ind
 compare-and-set, the one commit point: a record never names bytes written after it, and a restore
 reads exactly the generation its record names, all or nothing. A generation whose record did not
 commit is removed (``abandoned``); once one commits, the generations before it and the copies of pages
-freed since are collected (``committed``), and after a move the first commit also clears what earlier
-holders left (keys in the manifest that nothing here names).
+freed since are collected (``committed``). A restore, having taken the generation on (``adopt``),
+clears what earlier holders left: keys in the manifest that nothing here names (what a holder that
+crashed, or lost the session, wrote after its last commit).
 
 Lifetimes: the record's TTL is renewed by every save; the KV's (a quarter TTL longer) by a commit at
 least a quarter TTL after the last renewal, and by every read. So KV outlives the record naming it.
@@ -88,12 +89,14 @@ class SessionKV:
 
     def adopt(self, ref: dict, pages: list[str]) -> bool:
         """Whether Redis holds every page the generation names (their TTLs renewed on the way); if so the
-        host tier takes them as this session's, named by that generation."""
+        host tier takes them as this session's, named by that generation, and what the manifest lists
+        besides is removed."""
         parsed = valid_ref(ref)
         found = self.redis.renew_pages(self.sid, pages) if parsed is not None and self.redis is not None else None
         if found is None or not all(found):
             return False
         self.host.adopt(self.sid, parsed[0], parsed[1], pages)
+        self.redis.delete_pages(self.sid, self._strays())
         return True
 
     def committed(self, ref: dict) -> None:
@@ -104,8 +107,6 @@ class SessionKV:
             return
         done = self.host.commit(self.sid, parsed[0])
         names = [n for gen, layers in done.gens.items() for n in table_names(gen, layers)] + done.pages
-        if done.sweep:
-            names += self._strays()
         self.redis.delete_pages(self.sid, names)
         if self.host.due_renewal(self.sid, self.redis.ttl_s / 4) and self.redis.renew_session(self.sid):
             self.host.renewed(self.sid)

@@ -28,7 +28,7 @@ def namespace(redis_url):
     client.close()
 
 
-def test_orphan_keys_are_the_session_keys_without_a_live_record(redis_url, namespace):
+def test_orphan_keys_are_the_session_keys_no_record_names(redis_url, namespace):
     import redis
 
     from app.session_store import SessionStore
@@ -47,30 +47,46 @@ def test_orphan_keys_are_the_session_keys_without_a_live_record(redis_url, names
     assert client.exists(session_key(namespace, "s_live"))  # the bench names records as the store does
     for sid in ("s_live", "s_gone", "s_never"):
         client.set(tier.chunk_key(sid, "0"), b"x")
-        client.set(tier.chunk_key(sid, "1"), b"x")
     client.hset(session_key(namespace, "s_half"), "summary", "{}")  # a hash that is no record
     client.set(f"{namespace}:replica:r0", b"{}")  # outside the session namespace: not looked at
     found = orphan_keys(client, namespace, count=2)  # small SCAN pages: the cursor is followed
-    assert found == sorted([tier.chunk_key("s_gone", "0"), tier.chunk_key("s_gone", "1"),
-                            tier.chunk_key("s_never", "0"), tier.chunk_key("s_never", "1"),
-                            session_key(namespace, "s_half")])
-    assert {session_of(namespace, k) for k in found} == {"s_gone", "s_never", "s_half"}
+    # A live record without KV names no page; a tombstone names itself alone.
+    assert found == sorted([tier.chunk_key("s_live", "0"), tier.chunk_key("s_gone", "0"),
+                            tier.chunk_key("s_never", "0"), session_key(namespace, "s_half")])
+    assert {session_of(namespace, k) for k in found} == {"s_live", "s_gone", "s_never", "s_half"}
     client.close()
 
 
-def test_a_stricter_rule_can_replace_the_default_one(redis_url, namespace):
+def test_a_record_owns_exactly_its_generation(redis_url, namespace):
+    """A persisted generation: its tables, the pages they list and the manifest are owned; another
+    generation's table and a page nothing lists are orphans."""
+    import json
+
     import redis
+    import torch
 
+    from tiers.redis_client import RedisClient
+    from tiers.redis_tier import RedisTier
+
+    connection = RedisClient(redis_url)
+    tier = RedisTier(connection, namespace)
+    page = {"keys": torch.ones(4, 2)}
+    index = {"ids0": torch.tensor([(7 << 32) | 3], dtype=torch.int64), "pos0": torch.zeros(1, 4)}
+    try:
+        assert tier.put_pages("s_a", {"l0-00000007-3": page, "l0-00000007-4": page, "g1.index-l0": index,
+                                      "g1.primary-l0": page, "g0.index-l0": index})
+    finally:
+        connection.close()
     client = redis.Redis.from_url(redis_url)
-    client.hset(session_key(namespace, "s_a"), mapping={"version": 1, "data": "{}"})
-    client.set(session_key(namespace, "s_a") + ":kv:old", b"x")
-    client.set(session_key(namespace, "s_a") + ":kv:new", b"x")
-    assert orphan_keys(client, namespace) == []
+    client.hset(session_key(namespace, "s_a"), mapping={
+        "version": 1, "data": json.dumps({"id": "s_a", "kv": {"gen": "g1", "layers": 1}})})
+    assert orphan_keys(client, namespace) == sorted([tier.chunk_key("s_a", "l0-00000007-4"),
+                                                     tier.chunk_key("s_a", "g0.index-l0")])
 
-    def generation(redis_client, record_key, keys):  # e.g. only the KV its record names
-        return [k for k in keys if k.endswith(":old")]
+    def nothing(redis_client, record_key, keys):  # a rule can be passed in
+        return []
 
-    assert orphan_keys(client, namespace, rule=generation) == [session_key(namespace, "s_a") + ":kv:old"]
+    assert orphan_keys(client, namespace, rule=nothing) == []
     client.close()
 
 
