@@ -43,7 +43,7 @@ async def fill(engine, mode: str, context: int, token_budget: int, params: Sampl
         try:
             done = await engine.complete(session.id, text, params)
         except DeviceMemoryExhausted:
-            engine.delete_session(session.id)
+            await engine.delete_session(session.id)
             refused = True
             break
         prefill_s.append(round(time.perf_counter() - t0, 2))
@@ -87,7 +87,7 @@ async def run(args) -> dict:
             probe = engine.create_session(mode="full", budget=args.budget)
             await engine.complete(probe.id, long_message(engine.tokenizer, args.context, seed=17), params)
             per_full = probe.cache.device_bytes()
-            engine.delete_session(probe.id)
+            await engine.delete_session(probe.id)
             engine.memory_account.budget = int(2.5 * per_full)
             result["device_budget"] = engine.memory_account.budget
             result["device_budget_rule"] = "2.5 x the measured device bytes of one full session"
@@ -104,7 +104,7 @@ async def run(args) -> dict:
             figures["peak_device_bytes"] = engine.memory_account.peak
             figures["capped"] = figures["sessions"] >= args.max_sessions
             for sid in figures.pop("ids"):
-                engine.delete_session(sid)
+                await engine.delete_session(sid)
             result["modes"][mode] = figures
             write_json(result, args.json_out, quiet=True)
         counts = {m: r["sessions"] for m, r in result["modes"].items()}

@@ -69,7 +69,7 @@ async def run_mode(engine, mode: str, tasks: list[dict], budget: int, max_tokens
                 traffic[k] += getattr(done.memory, k)
             convo.append({"reply": done.text, "correct": ok, "readmitted": done.memory.readmitted_tokens})
         replies.append({"id": task["id"], "turns": convo})
-        engine.delete_session(session.id)
+        await engine.delete_session(session.id)
         if progress is not None:
             progress(summary(per_turn, peak, latencies, replies, traffic, per_kind))
     return summary(per_turn, peak, latencies, replies, traffic, per_kind)

@@ -33,7 +33,7 @@ async def transcript(engine, task: dict, budget: int, params: SamplingParams) ->
         done = await engine.complete(session.id, turn["user"], params)
         bounds.append((done.usage.prompt_tokens, done.usage.prompt_tokens + done.usage.generated_tokens))
     ids = list(session.token_ids)
-    engine.delete_session(session.id)
+    await engine.delete_session(session.id)
     return ids, bounds
 
 

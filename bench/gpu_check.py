@@ -270,7 +270,7 @@ def tiered_redis(args) -> dict:
             session = engine.create_session(mode="tiered", budget=64)
             turns = asyncio.run(_converse(engine, session.id, messages, 8 if args.quick else 24))
             stored = engine.redis.session_bytes(session.id)
-            engine.delete_session(session.id)
+            asyncio.run(engine.delete_session(session.id))
             return {"device": str(engine.runner.device), "redis": "shared" if url == args.redis_url else "private",
                     "model": f"random weights, shapes {shapes}, byte tokenizer", "turns": turns,
                     "redis_session_bytes_after_turn_3": stored}

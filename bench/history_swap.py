@@ -17,7 +17,7 @@ async def _history(engine, mode: str, budget: int, turns: list[dict], params):
     for turn in turns:
         await engine.complete(session.id, turn["user"], params)
     history = (list(session.messages), list(session.token_ids))
-    engine.delete_session(session.id)
+    await engine.delete_session(session.id)
     return history
 
 
@@ -25,7 +25,7 @@ async def _answer(engine, mode: str, budget: int, history, turn: dict, params) -
     session = engine.create_session(mode=mode, budget=budget)
     session.messages, session.token_ids = list(history[0]), list(history[1])
     done = await engine.complete(session.id, turn["user"], params)
-    engine.delete_session(session.id)
+    await engine.delete_session(session.id)
     return {"correct": answered(turn, done.text), "reply": done.text}
 
 

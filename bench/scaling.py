@@ -56,7 +56,7 @@ async def conversation(engine, mode: str, budget: int, first: str, params: Sampl
     try:
         return [turn_record(await engine.complete(session.id, text, params)) for text in [first, *LATER]]
     finally:
-        engine.delete_session(session.id)
+        await engine.delete_session(session.id)
 
 
 def plot(result: dict, path: str) -> None:

@@ -41,7 +41,7 @@ async def stateless(engine, mode: str, budget: int, history):
     session = engine.create_session(mode=mode, budget=budget)
     session.messages, session.token_ids = list(history[0]), list(history[1])
     done = await engine.complete(session.id, MEASURED, PARAMS)
-    engine.delete_session(session.id)
+    await engine.delete_session(session.id)
     return done
 
 
@@ -73,7 +73,7 @@ async def run(args) -> dict:
             "stateless": {},
         }
         for s, _ in runs:
-            engine.delete_session(s.id)
+            await engine.delete_session(s.id)
         for mode in dict.fromkeys([args.mode, "full"]):
             d = await stateless(engine, mode, args.budget, history)
             result["stateless"][mode] = {

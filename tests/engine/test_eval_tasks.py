@@ -59,7 +59,7 @@ class _ScriptedEngine:
         reply, nbytes = self.replies.pop(0)
         return SimpleNamespace(text=reply, memory=MemoryStats(device_bytes=nbytes, cold_bytes_read=2 * nbytes))
 
-    def delete_session(self, session_id):
+    async def delete_session(self, session_id):
         self.deleted.append(session_id)
 
 

@@ -35,7 +35,7 @@ class ScriptedEngine:
         self.turn += 1
         return SimpleNamespace(text="Kestrel" if self.turn != 2 else "no idea", memory=MemoryStats(device_bytes=1))
 
-    def delete_session(self, session_id):
+    async def delete_session(self, session_id):
         pass
 
 
