@@ -11,7 +11,8 @@ cache (other selections, other re-admissions), and so other replies.
 The cost is that of the conversation so far: one prefill per turn and one decode step per token
 generated. So a turn replays (``CacheRebuild._rebuild``) only where the session's feed log accounts
 for exactly what the lost cache had been fed (``Session.lost_fed``) and that is at most
-``Settings.replay_max_tokens``; otherwise it prefills the whole history into the empty cache.
+``Settings.replay_max_tokens``; otherwise it prefills the whole history into the empty cache. The log
+travels in the session record (``app.session_restore``), so another process replays it too.
 
 A replay is a turn's work like its prefill: every cache operation on the model thread (the steps
 through the batcher, each replayed turn's end as a job); device memory held for the turns it feeds

@@ -172,8 +172,11 @@ class DeviceResidency:
         cache = self.new_cache(session.mode, session.rocket, session.id)
         state, session.parked_kv = session.parked_kv, None
         if state is not None and not cache.restore(state):
-            log.warning("session %s: stored KV incomplete; the history will be re-prefilled", session.id)
+            # Pages it names are gone (Redis lost them, or is down): the cache is lost as one whose pages
+            # went missing mid-turn is, and its turn rebuilds it (``app.engine.replay``).
+            log.warning("session %s: stored KV incomplete; its cache will be rebuilt", session.id)
             cache = self.new_cache(session.mode, session.rocket, session.id)
+            session.lost_fed = int(state.get("history_len", 0))
         session.cache = cache
         self.memory_account.set_held(session.id, cache.device_bytes())
 

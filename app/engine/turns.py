@@ -142,7 +142,7 @@ class TurnLoop:
         gate = PrefillGate(lambda: self._between_chunks(session))
         try:
             if session.cache is None:  # parked, restored from Redis, or after a failed step
-                await self._step(lambda: self._materialize(session))
+                await self._step(lambda: self._materialize(session))  # a restore that failed: lost
             cache, ids = session.cache, session.token_ids
             fed = cache.history_len
             if not session.lost_fed:

@@ -1,6 +1,6 @@
 """A lost cache rebuilt by replaying the session's turns (app/engine/replay.py): stopped by a cancel with
-the session whole, reporting how far it is, capped, and holding device memory for the history it
-rebuilds.
+the session whole, reporting how far it is, capped, carried by the session record to another process,
+and holding device memory for the history it rebuilds.
 
 A session loses cold pages as when Redis restarts empty: its tiered cache spills nearly every cold page to
 Redis (a host tier of 128 pages), then the session's keys are deleted there, so the next turn finds pages
@@ -8,6 +8,7 @@ that no tier holds. A replay rebuilds the very cache that was lost: the reply is
 lost nothing gives.
 """
 import dataclasses
+import json
 import secrets
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from app.engine.events import TextDelta, TurnDone, TurnStatus
 from app.engine.replay import TEACHER_FORCED
 from app.engine.sampling import SamplingParams
+from app.session_restore import record, restore
 from bench.haystack import hide
 
 pytestmark = pytest.mark.slow
@@ -144,6 +146,30 @@ async def test_a_history_over_the_cap_is_prefilled_in_one_go(lossy):
     # One prefill of the whole history: the cache's log starts again from this turn.
     assert len(session.feeds) == 1 and session.feeds[0].prefill == done.usage.prompt_tokens
     assert session.lost_fed == 0 and session.cache.history_len == sum(f.prefill + f.decodes for f in session.feeds)
+
+
+async def test_the_feed_log_goes_with_the_session_record_and_another_process_replays_it(make_engine, lossy):
+    make, lose = lossy
+    expected = await reference_reply(make_engine)
+    engine = make()
+    session = await converse(engine)
+    kv = await engine.persist(session.id)
+    data = json.loads(json.dumps(record(session, "digest", kv)))  # as the store keeps it
+    assert data["feeds"] == [[f.prefill, f.max_new, f.decodes] for f in session.feeds]
+
+    # Another process, after Redis lost the session's pages: the record's KV cannot be restored.
+    other = make()
+    lose(session.id)
+    for bad in ([[1, 2]], [["7", 8, 0]], [[True, 8, 0]], "feeds", [[data["feeds"][0][0] + 1, 8, 0]],
+                [[0, 8, 0], *data["feeds"]], [[f[0], f[1], f[1]] for f in data["feeds"]]):
+        assert restore(other, {**data, "feeds": bad}).feeds == []  # malformed, or not this cache's: no log
+        other.drop(session.id)
+    restored = restore(other, data)
+    assert restored.feeds == session.feeds and restored.cache is None
+
+    statuses, done = await turn(other, restored)
+    assert [s.done for s in statuses] == list(range(len(TURNS) + 1))
+    assert done.text == expected and done.usage.prefilled_tokens == done.usage.prompt_tokens
 
 
 async def test_a_replay_holds_device_memory_for_the_history_it_rebuilds(lossy, monkeypatch):
