@@ -155,6 +155,17 @@ class DeltaEvent(BaseModel):
     text: str
 
 
+class StatusEvent(BaseModel):
+    """Progress before the reply's first delta, where the turn first does work that takes a while."""
+
+    type: Literal["status"] = "status"
+    stage: str = Field(description="`replay`: the session's lost cache is rebuilt by feeding its earlier turns again.")
+    done: int = Field(description="Units of the stage done so far (replay: turns replayed).")
+    total: int = Field(description="Units of the whole stage (replay: turns to replay).")
+    tokens: int = Field(0, description="Tokens fed so far.")
+    total_tokens: int = Field(0, description="Tokens the stage feeds in all.")
+
+
 class DoneEvent(BaseModel):
     type: Literal["done"] = "done"
     finish_reason: str
@@ -176,7 +187,7 @@ class ErrorEvent(BaseModel):
 
 
 ServerEvent = Annotated[
-    Union[AuthenticatedEvent, SessionEvent, DeltaEvent, DoneEvent, ErrorEvent], Field(discriminator="type")
+    Union[AuthenticatedEvent, SessionEvent, StatusEvent, DeltaEvent, DoneEvent, ErrorEvent], Field(discriminator="type")
 ]
 server_event_adapter: TypeAdapter[ServerEvent] = TypeAdapter(ServerEvent)
 

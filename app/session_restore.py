@@ -4,8 +4,9 @@ checks of what a client sends (messages, sampling values).
 A session is rebuilt here from its public fields with ``cache=None`` and handed to the engine
 (``Engine.adopt``), after every field has been checked (nothing is made and thrown away to
 validate). Its next turn restores the cache from the KV generation the record's ``kv`` names
-(``tiers.session_kv``) when there is one and it is whole, else prefills the whole ``token_ids`` into
-a fresh cache. Nothing here touches tensors.
+(``tiers.session_kv``) when there is one and it is whole; where its pages are gone it rebuilds the
+very same cache by replaying the record's ``feeds`` (``app.engine.replay``), and otherwise prefills
+the whole ``token_ids`` into a fresh cache. Nothing here touches tensors.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from typing import Any
 
 from app.engine.engine import Engine
 from app.engine.errors import InvalidRequest, InvalidSamplingParams, MessageTooLarge
+from app.engine.replay import replayable
 from app.engine.sampling import SamplingParams
-from app.engine.session import Session, TurnStats
+from app.engine.session import Feed, Session, TurnStats
 from rocketkv_mt.config import RocketKVConfig
 
 ROLES = ("system", "user", "assistant")
@@ -204,7 +206,31 @@ def record(session: Session, digest: str, kv: dict[str, Any] | None) -> dict[str
         "saved_at": time.time(),
         "last_turn": session.last_turn,
         "kv": kv,
+        # How the cache was fed, turn by turn ([prefill, max_new, decodes]): another process replays it
+        # where pages ``kv`` names are lost.
+        "feeds": [[f.prefill, f.max_new, f.decodes] for f in session.feeds],
     }
+
+
+def checked_feeds(engine: Engine, feeds: Any, kv: dict[str, Any] | None, token_ids: list[int]) -> list[Feed]:
+    """A record's feed log where it describes the record's ``kv``: [prefill, max_new, decodes] integers
+    as turns feed them, accounting for exactly the tokens that cache had been fed, a part of the history.
+    Anything else (malformed, another cache's log, a record from before logs were kept, no ``kv``) is
+    no log: a rebuild then prefills the history in one go, as it would without one."""
+    if not isinstance(kv, dict) or not isinstance(feeds, list):
+        return []
+    parsed: list[Feed] = []
+    for entry in feeds:
+        if not (isinstance(entry, list) and len(entry) == 3 and all(type(v) is int for v in entry)):
+            return []
+        prefill, max_new, decodes = entry
+        if not (0 < prefill and 0 <= decodes < max_new <= engine.max_context):
+            return []
+        parsed.append(Feed(prefill, max_new, decodes))
+    fed = kv.get("history_len")
+    if type(fed) is not int or fed > len(token_ids) or not replayable(parsed, fed):
+        return []
+    return parsed
 
 
 def restore(engine: Engine, data: dict[str, Any]) -> Session:
@@ -225,6 +251,7 @@ def restore(engine: Engine, data: dict[str, Any]) -> Session:
         owner=data.get("owner"),
     )
     session.parked_kv, session.last_turn = kv, last_turn
+    session.feeds = checked_feeds(engine, data.get("feeds"), kv, session.token_ids)
     return session
 
 

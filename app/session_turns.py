@@ -19,9 +19,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from app.contract.errors import ChatError, HistoryMismatch, InvalidRequest
-from app.contract.events import Delta, Done, MapSummary, MemoryStats, TurnEvent, TurnFailed, TurnStarted, Usage
+from app.contract.events import (
+    Delta,
+    Done,
+    MapSummary,
+    MemoryStats,
+    Status,
+    TurnEvent,
+    TurnFailed,
+    TurnStarted,
+    Usage,
+)
 from app.engine.engine import Engine
-from app.engine.events import TextDelta, TurnDone
+from app.engine.events import TextDelta, TurnDone, TurnStatus
 from app.engine.session import Session
 from app.session_map import map_summary
 from app.session_restore import checked_sampling, is_unicode
@@ -32,6 +42,10 @@ KEY_MAX = 128  # longer keys are refused: they are stored with every record
 
 def _nothing() -> None:
     return None
+
+
+def _status(status: TurnStatus) -> Status:
+    return Status(status.stage, status.done, status.total, status.tokens, status.total_tokens)
 
 
 class TurnKeys:
@@ -163,8 +177,8 @@ class Turns:
                 # turn has begun, so it ends (and frees the session) by itself.
                 event = await anext(stream)
                 yield TurnStarted(session_id=sid, replica=self.replica)
-                while isinstance(event, TextDelta):
-                    yield Delta(event.text)
+                while isinstance(event, (TextDelta, TurnStatus)):
+                    yield Delta(event.text) if isinstance(event, TextDelta) else _status(event)
                     event = await anext(stream)
                 await stream.aclose()
             except ChatError as exc:  # refused on the way (a full host tier): the session stays usable

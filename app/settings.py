@@ -167,6 +167,14 @@ class Settings(BaseSettings):
         "steps that carry those decode tokens too (compression waits for its last chunk). Same tokens as whole. "
         "0: a prefill always runs whole, in one step.",
     )
+    replay_max_tokens: int = Field(
+        8192,
+        ge=0,
+        description="Most history tokens a lost cache (cold pages gone with Redis) is rebuilt from by replaying the "
+        "session's turns as they were fed: one prefill per turn and one decode step per generated token, which gives "
+        "the very cache that was lost. A longer history is prefilled again in one go instead (another cache, so "
+        "possibly other replies, at the cost of one prefill). 0: never replay.",
+    )
     kernels: Literal["auto", "torch", "triton", "native"] = Field(
         "auto",
         description="'auto' uses Triton kernels for CUDA tensors and, on CPU, the native C kernels for HSA's "

@@ -220,6 +220,7 @@ class WsChat:
 
     def __init__(self, ws):
         self.ws = ws
+        self.statuses: list[dict] = []  # the last turn's `status` events (a lost cache rebuilt first)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -242,13 +243,16 @@ class WsChat:
         return event
 
     async def turn(self, content: str, **params) -> tuple[list[str], dict]:
-        """Send a message; return its delta texts and the final ``done`` (or ``error``) event."""
+        """Send a message; return its delta texts and the final ``done`` (or ``error``) event; its
+        ``status`` events, if any, are kept in ``statuses``."""
         await self.send({"type": "message", "content": content, "max_tokens": 8, **params})
-        deltas = []
+        deltas, self.statuses = [], []
         while True:
             event = await self.recv()
             if event["type"] == "delta":
                 deltas.append(event["text"])
+            elif event["type"] == "status":
+                self.statuses.append(event)
             else:
                 return deltas, event
 

@@ -7,7 +7,17 @@ process boundary; ``api`` turns them into its wire formats (``api.wire``, ``api.
 here knows about HTTP, JSON schemas or Ray.
 """
 from app.contract.errors import ChatError
-from app.contract.events import Delta, Done, MapSummary, MemoryStats, TurnEvent, TurnFailed, TurnStarted, Usage
+from app.contract.events import (
+    Delta,
+    Done,
+    MapSummary,
+    MemoryStats,
+    Status,
+    TurnEvent,
+    TurnFailed,
+    TurnStarted,
+    Usage,
+)
 from app.contract.ids import is_session_id, new_session_id, new_session_token, new_turn_key
 
 __all__ = [
@@ -16,6 +26,7 @@ __all__ = [
     "Done",
     "MapSummary",
     "MemoryStats",
+    "Status",
     "TurnEvent",
     "TurnFailed",
     "TurnStarted",

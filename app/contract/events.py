@@ -1,6 +1,7 @@
 """What a turn streams to its caller: ``TurnStarted``, ``Delta``s, then one ``Done``; or one
 ``TurnFailed`` (before anything else when the turn cannot start, or after the last delta when it
-breaks or its replica is lost).
+breaks or its replica is lost). ``Status`` events may come before the first delta, while the turn
+does work that takes a while before it can reply (rebuilding a lost cache).
 
 Frozen dataclasses, so they cross a Ray boundary as they are; ``as_dict`` is the plain-data form
 that ``api`` validates into its wire events.
@@ -78,6 +79,19 @@ class Delta(_Event):
 
 
 @dataclass(frozen=True)
+class Status(_Event):
+    """Progress of work before the reply: ``stage`` "replay" has replayed ``done`` of ``total`` earlier
+    turns (``tokens`` of ``total_tokens`` tokens) to rebuild the session's lost cache."""
+
+    stage: str
+    done: int
+    total: int
+    tokens: int
+    total_tokens: int
+    type: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True)
 class Done(_Event):
     finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled"
     usage: Usage
@@ -104,4 +118,4 @@ class TurnFailed(_Event):
         return ChatError.from_code(self.code, self.message)
 
 
-TurnEvent = Union[TurnStarted, Delta, Done, TurnFailed]
+TurnEvent = Union[TurnStarted, Status, Delta, Done, TurnFailed]

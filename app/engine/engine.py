@@ -18,9 +18,9 @@ pages to the host tier holds room there first (``HostMemory``): a host tier that
 able to spill refuses it with ``host_memory_exhausted``, the session unchanged.
 
 The jobs live in their own modules, as mixins of this class: running a turn
-(``app.engine.turns``) and keeping caches on the device within the budget
-(``app.engine.residency``). This module holds the sessions and what the engine offers its callers.
-Who may use a session is not the engine's business: its callers check (``app.session_access``).
+(``app.engine.turns``), rebuilding a lost cache (``app.engine.replay``) and keeping caches on the
+device within the budget (``app.engine.residency``). This module holds the sessions and what the
+engine offers its callers. Who may use a session is not the engine's business: its callers check (``app.session_access``).
 The engine writes a session's KV to Redis when asked (``persist``) and hands back what it wrote;
 the session record that carries it is the service's (``app.session_repository``).
 """
@@ -40,6 +40,7 @@ from app.engine.events import MemoryStats
 from app.engine.host_memory import HostMemory
 from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
+from app.engine.replay import CacheRebuild
 from app.engine.residency import DeviceResidency
 from app.engine.session import Session
 from app.engine.turns import TurnLoop
@@ -57,7 +58,7 @@ from tiers.transfers import Transfers
 log = logging.getLogger(__name__)
 
 
-class Engine(TurnLoop, DeviceResidency):
+class Engine(TurnLoop, CacheRebuild, DeviceResidency):
     def __init__(self, settings: Settings, loaded: LoadedModel | None = None):
         """``settings.redis_url`` set: the tiers spill to Redis through this process's one
         ``RedisClient`` (``self.redis.client``), which the session records share."""

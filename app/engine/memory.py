@@ -13,6 +13,8 @@ until the last chunk compresses them): the difference is the turn's ``chunking``
 batcher feeds one prefill in chunks at a time, so only the largest of these extras is committed.
 A first prompt is fed layer by layer instead (``app.engine.layer_prefill``): one layer of it at a
 time, as a whole prefill holds it, so it has no such extra and several may run at once.
+A turn that rebuilds a lost cache by replaying the session's turns is bounded by the largest bound of
+the turns it replays (``replay_sizes``), as they hold the history again one by one.
 Actual totals are taken after every model step (``observe``); ``overruns`` counts sessions found
 above their reservation (a bound that does not hold; expected to stay 0).
 """
@@ -27,7 +29,7 @@ from app.engine.steps import by_layer
 from rocketkv_mt.cache import CacheSpec, TierPolicy, TurnSize, cache_mode
 
 if TYPE_CHECKING:
-    from app.engine.session import Session
+    from app.engine.session import Feed, Session
 
 
 class DeviceMemory:
@@ -66,7 +68,28 @@ class DeviceMemory:
             kept = session.turns[-1].kept_tokens if session.turns else fed
         else:  # rebuilt from the token ids: the whole history is prefilled
             fed, kept, cold_pages = 0, 0, 0
-        n = len(session.token_ids) + n_new - fed  # tokens this turn's prefill feeds
+        return self._size(session, fed, kept, cold_pages, len(session.token_ids) + n_new - fed, max_new, prefill_chunk)
+
+    def replay_sizes(
+        self, session: "Session", feeds: "list[Feed]", n_new: int, max_new: int, prefill_chunk: int = 0
+    ) -> list[TurnSize]:
+        """The sizes of a turn that first rebuilds the session's cache by replaying ``feeds`` into an empty
+        one (``app.engine.replay``): each replayed turn's, then its own prefill's (what the feeds leave of
+        the history, and its ``n_new`` tokens). The cache was lost, so what each replayed turn holds is
+        not known: at most what the turn before it could keep at its end; its cold pages, the most the
+        history could fill."""
+        sizes: list[TurnSize] = []
+        fed = kept = 0
+        for feed in feeds:
+            sizes.append(self._size(session, fed, kept, None, feed.prefill, feed.max_new, prefill_chunk))
+            fed, kept = fed + feed.prefill + feed.decodes, sizes[-1].kept_after
+        n = len(session.token_ids) + n_new - fed
+        return [*sizes, self._size(session, fed, kept, None, n, max_new, prefill_chunk)]
+
+    def _size(
+        self, session: "Session", fed: int, kept: int, cold_pages: int | None, n: int, max_new: int, prefill_chunk: int
+    ) -> TurnSize:
+        """A turn that feeds ``n`` tokens to a cache fed ``fed`` (holding ``kept``) and generates up to ``max_new``."""
         total = fed + n + max_new
         m = max(0, min(max_new, total - 1))
         return TurnSize(
@@ -76,13 +99,22 @@ class DeviceMemory:
             cold_pages=cold_pages,
         )
 
-    def turn_bound(self, session: "Session", n_new: int, max_new: int, prefill_chunk: int = 0) -> int:
+    def turn_bound(
+        self, session: "Session", n_new: int, max_new: int, prefill_chunk: int = 0, replay: "list[Feed] | None" = None
+    ) -> int:
         """Upper bound of the session's device bytes while that turn runs: its mode's bound, and never
         less than what the session holds plus the new tokens not compressed yet (one layer of them, or
-        every layer while a chunked prefill is fed)."""
+        every layer while a chunked prefill is fed). A turn that replays ``replay`` into an empty cache
+        first is bounded by the largest bound of the turns it feeds: it holds the history it rebuilds,
+        which the bound of one prefill into an empty cache would not count (the pages each replayed turn
+        reads back)."""
+        mode = cache_mode(session.mode)
+        if replay is not None:
+            return max(mode.device_bound(t, self.tiers) for t in self.replay_sizes(session, replay, n_new, max_new,
+                                                                                   prefill_chunk))
         turn = self.turn_size(session, n_new, max_new, prefill_chunk)
         held = session.cache.device_bytes() if session.cache is not None else 0
-        return max(cache_mode(session.mode).device_bound(turn, self.tiers), held + turn.uncompressed_bytes)
+        return max(mode.device_bound(turn, self.tiers), held + turn.uncompressed_bytes)
 
     # --- accounting ----------------------------------------------------------------------------
     def committed(self, session_ids: Iterable[str], exclude: str | None = None, chunking: int = 0) -> int:

@@ -9,34 +9,145 @@ one the lost cache would have given. Feeding the history in one prefill instead 
 cache (other selections, other re-admissions), and so other replies.
 
 The cost is that of the conversation so far: one prefill per turn and one decode step per token
-generated. A log that does not account for the whole fed history (a session restored from a record
-of another process keeps none) falls back to one prefill of the history.
+generated. So a turn replays (``CacheRebuild._rebuild``) only where the session's feed log accounts
+for exactly what the lost cache had been fed (``Session.lost_fed``) and that is at most
+``Settings.replay_max_tokens``; otherwise it prefills the whole history into the empty cache. The log
+travels in the session record (``app.session_restore``), so another process replays it too.
+
+A replay is a turn's work like its prefill: every cache operation on the model thread (the steps
+through the batcher, each replayed turn's end as a job); device memory held for the turns it feeds
+(``DeviceMemory.replay_sizes``), not for one prefill into an empty cache; a ``TurnStatus`` before the
+first replayed turn and after each. A cancel, a refusal between two chunks, or a caller that leaves
+stops it: the half-built cache is dropped and the turn undone, the session keeping its history, its
+log and ``lost_fed``, so that its next turn rebuilds again.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
 from app.engine.batcher import Batcher
+from app.engine.errors import ChatError, TurnCancelled
+from app.engine.events import TurnStatus
+from app.engine.memory import DeviceMemory
 from app.engine.sampling import Sampler, SamplingParams
-from app.engine.session import Feed
+from app.engine.session import Feed, Session
+from app.engine.steps import PrefillGate
+from app.settings import Settings
 from rocketkv_mt.cache import SessionCache
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The steps feed tokens already chosen: what the batcher draws after each is discarded, so the
 # cheapest draw (greedy, no generator whose state would move) does.
 TEACHER_FORCED: Sampler = (SamplingParams(), None)
+# What stops a replay and undoes its turn (the session as it was before): a cancel, a refusal, a caller
+# gone. Any other failure fails the turn as a failed prefill does.
+_STOPS = (TurnCancelled, ChatError, GeneratorExit, asyncio.CancelledError)
 
 
 def replayable(feeds: list[Feed], fed: int) -> bool:
-    """Whether ``feeds`` account for exactly the ``fed`` tokens the lost cache had been given."""
+    """Whether ``feeds`` account for exactly the ``fed`` tokens the lost cache had been fed."""
     return bool(feeds) and sum(f.prefill + f.decodes for f in feeds) == fed
 
 
-async def replay(batcher: Batcher, key: str, cache: SessionCache, token_ids: list[int], feeds: list[Feed]) -> None:
-    """Feed an empty ``cache`` the first tokens of ``token_ids`` as ``feeds`` say they were fed."""
+def plan(session: Session, max_tokens: int) -> list[Feed] | None:
+    """The feeds that rebuild the session's lost cache: copies of its log where that accounts for the
+    ``lost_fed`` tokens, a part of its history, of at most ``max_tokens``; None otherwise (nothing lost,
+    or the history is to be prefilled in one go)."""
+    lost = session.lost_fed
+    if not 0 < lost <= min(max_tokens, len(session.token_ids)) or not replayable(session.feeds, lost):
+        return None
+    return [dataclasses.replace(f) for f in session.feeds]  # the turn after the replay extends its log
+
+
+async def replay(
+    batcher: Batcher, session: Session, cache: SessionCache, feeds: list[Feed], gate: PrefillGate
+) -> AsyncIterator[TurnStatus]:
+    """Feed an empty ``cache`` the first tokens of the session's history as ``feeds`` say they were fed,
+    yielding how far it is before the first feed and after each. A cancel of the turn raises
+    ``TurnCancelled`` before the next step; the batcher checks ``gate`` between chunks of a prefill."""
+    ids, total = session.token_ids, sum(f.prefill + f.decodes for f in feeds)
     pos = 0
-    for feed in feeds:
-        await batcher.prefill(key, cache, token_ids[pos : pos + feed.prefill], feed.max_new, TEACHER_FORCED)
+    for i, feed in enumerate(feeds):
+        yield TurnStatus("replay", i, len(feeds), pos, total)
+        _stop_if_cancelled(session)
+        await batcher.prefill(session.id, cache, ids[pos : pos + feed.prefill], feed.max_new, TEACHER_FORCED, gate)
         pos += feed.prefill
-        for token in token_ids[pos : pos + feed.decodes]:
-            await batcher.decode(key, cache, token, TEACHER_FORCED)
+        with batcher.decoding():  # the model thread waits for each step, as for a turn's reply
+            for token in ids[pos : pos + feed.decodes]:
+                _stop_if_cancelled(session)
+                await batcher.decode(session.id, cache, token, TEACHER_FORCED)
         pos += feed.decodes
-        cache.end_turn()
+        # The turn's end settles what its prefill deferred, moving bytes between the tiers: only the
+        # model thread touches them while steps run.
+        await batcher.run(cache.end_turn)
+    yield TurnStatus("replay", len(feeds), len(feeds), pos, total)
+
+
+def _stop_if_cancelled(session: Session) -> None:
+    if session.cancel_requested:
+        raise TurnCancelled("cancelled while the session's cache was rebuilt")
+
+
+class CacheRebuild:
+    """A turn's rebuild of its session's lost cache. A mixin of ``Engine`` (``app.engine.engine``), on
+    the engine's state named below."""
+
+    settings: Settings
+    batcher: Batcher
+    memory_account: DeviceMemory
+    _step: Callable[[Callable[[], T]], Awaitable[T]]
+    _admit: Callable[[Session, int, int, list[Feed] | None], None]
+    _rebuild_cache: Callable[[Session], SessionCache]
+    _release_quietly: Callable[[Session, SessionCache], None]
+
+    def _replay_plan(self, session: Session) -> list[Feed] | None:
+        return plan(session, self.settings.replay_max_tokens)
+
+    async def _rebuild(self, session: Session, max_new: int, gate: PrefillGate) -> AsyncIterator[TurnStatus]:
+        """Give the session of a turn under way (its new tokens already in ``token_ids``) an empty cache
+        and replay its log into it (``plan``), reporting progress; without a plan the turn's own prefill
+        feeds the whole history. Either way the turn's device memory and host room are held again, for
+        what it now feeds (refused: the turn is undone, ``gate.undone``)."""
+        feeds = self._replay_plan(session)
+        log.warning("session %s: rebuilding its lost cache (%s)", session.id,
+                    f"replaying {len(feeds)} turns" if feeds else "one prefill of the history")
+        cache = await self._step(lambda: self._rebuild_cache(session))
+        try:
+            self._admit(session, 0, max_new, feeds)
+        except ChatError:
+            gate.undone = True  # refused before anything was fed: the session is as before the turn
+            raise
+        if feeds is None:
+            session.feeds.clear()
+            session.lost_fed = 0
+            return
+        try:
+            async with contextlib.aclosing(replay(self.batcher, session, cache, feeds, gate)) as statuses:
+                async for status in statuses:
+                    yield status
+        except BaseException as exc:
+            if isinstance(exc, _STOPS):
+                gate.undone = True
+            await self._drop_rebuilt(session, wait=isinstance(exc, Exception))
+            raise
+        session.feeds, session.lost_fed = feeds, 0
+
+    async def _drop_rebuilt(self, session: Session, wait: bool) -> None:
+        """Drop a half-rebuilt cache: the session has none (it holds no device memory), and its next turn
+        rebuilds again. Its tier pages are freed on the model thread, which alone touches the tiers
+        while steps run; a turn whose caller left (closed, or finalised outside the loop) cannot wait
+        for that."""
+        dropped = self.memory_account.take_cache(session)
+        if dropped is None:
+            return
+        if wait:
+            await self._step(lambda: self._release_quietly(session, dropped))
+        else:
+            self.batcher.submit(lambda: self._release_quietly(session, dropped))

@@ -16,7 +16,7 @@ from app.engine.batcher import Batcher
 from app.engine.errors import DeviceMemoryExhausted
 from app.engine.host_memory import HostMemory
 from app.engine.memory import DeviceMemory
-from app.engine.session import Session
+from app.engine.session import Feed, Session
 from app.settings import Settings
 from rocketkv_mt.cache import SessionCache
 from rocketkv_mt.config import RocketKVConfig
@@ -37,59 +37,65 @@ class DeviceResidency:
     parking: bool  # make room for a turn by parking idle sessions (else refuse it)
     new_cache: Callable[[str, RocketKVConfig, str], SessionCache]
 
-    async def _admit_in_turn(self, session: Session, n_new: int, max_new: int) -> None:
+    async def _admit_in_turn(self, session: Session, n_new: int, max_new: int, replay: list[Feed] | None = None) -> None:
         """Hold the turn's host room (or refuse it at once), then its device memory (``_admit_device``);
-        a device refusal gives the host room back."""
+        a device refusal gives the host room back. ``replay``: the turn first rebuilds the session's
+        lost cache by replaying these feeds (``app.engine.replay``), and its device memory counts the
+        turns it replays. Its host room stays that of one prefill of the whole history into an empty
+        cache: the replay ends with the lost cache's cold pages, about what that prefill demotes, where
+        adding up the replayed turns' own bounds would count each re-selection's demotions anew, far
+        past what the tier ends up holding. A replay that finds the tier full after all stops, undone."""
         self.host_memory.reserve(session, self.memory_account.turn_size(session, n_new, max_new))
         try:
-            await self._admit_device(session, n_new, max_new)
+            await self._admit_device(session, n_new, max_new, replay)
         except BaseException:
             self.host_memory.release(session.id)
             raise
 
-    async def _admit_device(self, session: Session, n_new: int, max_new: int) -> None:
+    async def _admit_device(self, session: Session, n_new: int, max_new: int, replay: list[Feed] | None = None) -> None:
         """Reserve device memory for a turn, parking idle sessions if needed; while the turns in flight
         hold what it needs, wait for them (in arrival order, up to ``admission_wait_s``); else refuse."""
         shortfall: list[str] = []
 
         def try_admit() -> bool:
-            shortfall[:] = [] if (message := self._reserve(session, n_new, max_new)) is None else [message]
+            shortfall[:] = [] if (message := self._reserve(session, n_new, max_new, replay)) is None else [message]
             return not shortfall
 
         def may_fit_later() -> bool:
             # Another turn in flight will release its reservation; a turn larger than the budget never fits.
             mem = self.memory_account
             return (self.parking and any(sid != session.id for sid in mem.reserved)
-                    and mem.turn_bound(session, n_new, max_new) <= mem.budget)
+                    and mem.turn_bound(session, n_new, max_new, replay=replay) <= mem.budget)
 
         if not await self.admissions.admit(try_admit, may_fit_later, self.settings.admission_wait_s):
             self.memory_account.refusals += 1
             if not shortfall:  # refused behind the turns already waiting, without a try of its own
-                need = self.memory_account.turn_bound(session, n_new, max_new)
+                need = self.memory_account.turn_bound(session, n_new, max_new, replay=replay)
                 shortfall.append(
                     f"this turn needs up to {need} bytes of device memory of the replica's {self.memory_account.budget}, "
                     f"which it cannot wait for behind the {len(self.admissions)} turns waiting; retry later or send less"
                 )
             raise DeviceMemoryExhausted(shortfall[0])
 
-    def _admit(self, session: Session, n_new: int, max_new: int) -> None:
+    def _admit(self, session: Session, n_new: int, max_new: int, replay: list[Feed] | None = None) -> None:
         """Hold host room and reserve device memory for a turn now, parking idle sessions if needed, or
-        refuse it (holding nothing)."""
+        refuse it (holding nothing); ``replay`` as for ``_admit_in_turn``."""
         self.host_memory.reserve(session, self.memory_account.turn_size(session, n_new, max_new))
-        message = self._reserve(session, n_new, max_new)
+        message = self._reserve(session, n_new, max_new, replay)
         if message is not None:
             self.host_memory.release(session.id)
             self.memory_account.refusals += 1
             raise DeviceMemoryExhausted(message)
 
-    def _reserve(self, session: Session, n_new: int, max_new: int) -> str | None:
+    def _reserve(self, session: Session, n_new: int, max_new: int, replay: list[Feed] | None = None) -> str | None:
         """Reserve device memory for a turn, parking idle sessions if needed; None when reserved, else
         why it does not fit (nothing changed)."""
         mem = self.memory_account
-        need = mem.turn_bound(session, n_new, max_new)
+        need = mem.turn_bound(session, n_new, max_new, replay=replay)
         # What a chunked prefill holds beyond that until its last chunk (only the largest is committed:
         # the batcher feeds one prefill in chunks at a time).
-        extra = mem.turn_bound(session, n_new, max_new, prefill_chunk=self.settings.prefill_chunk) - need
+        chunk = self.settings.prefill_chunk
+        extra = max(0, mem.turn_bound(session, n_new, max_new, prefill_chunk=chunk, replay=replay) - need)
         if mem.budget:
             committed = mem.committed(self._sessions, exclude=session.id, chunking=extra)
             victims: list[Session] = []
@@ -166,8 +172,12 @@ class DeviceResidency:
         cache = self.new_cache(session.mode, session.rocket, session.id)
         state, session.parked_kv = session.parked_kv, None
         if state is not None and not cache.restore(state):
-            log.warning("session %s: stored KV incomplete; the history will be re-prefilled", session.id)
+            # Pages it names are gone (Redis lost them, or is down): the cache is lost as one whose pages
+            # went missing mid-turn is, and its turn rebuilds it (``app.engine.replay``).
+            log.warning("session %s: stored KV incomplete; its cache will be rebuilt", session.id)
             cache = self.new_cache(session.mode, session.rocket, session.id)
+            fed = state.get("history_len")
+            session.lost_fed = fed if isinstance(fed, int) and fed > 0 else 0
         session.cache = cache
         self.memory_account.set_held(session.id, cache.device_bytes())
 

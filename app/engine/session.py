@@ -53,6 +53,10 @@ class Session:
     parked_kv: dict | None = None
     # What the current cache was fed since it was created, turn by turn (an exact rebuild replays it).
     feeds: list[Feed] = field(default_factory=list)
+    # The tokens a cache had been fed when part of it was lost (its cold pages gone with Redis), until a
+    # cache holds them again: the next turn rebuilds it, replaying ``feeds`` where they account for them.
+    # 0: nothing lost.
+    lost_fed: int = 0
     # The last finished turn as its caller's retry gets it back ({"key", "text", "finish_reason",
     # "usage", "ttft_ms", "latency_ms", "replica"}): a turn sent again under the same idempotency key
     # is answered from here instead of running twice (``app.session_turns``). Kept for the service.

@@ -1,7 +1,8 @@
 """A turn through the engine: its checks, then prefill and decode on the model thread, streamed.
 
 ``chat`` validates a turn, admits it within the device budget and returns the async iterator of its
-events (``TextDelta``s, then one ``TurnDone``); ``_run_turn`` is that iterator. A turn stopped
+events (``TextDelta``s, then one ``TurnDone``; before them ``TurnStatus``es while it rebuilds a lost
+cache, ``app.engine.replay``); ``_run_turn`` is that iterator. A turn stopped
 between two chunks of its prefill, or two slices of a first prompt fed layer by layer
 (``_between_chunks``, or its caller gone), is undone: the session is as it was before it, its feed
 log included; so is one whose demotions found the host tier full before it sent anything
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -21,7 +23,6 @@ from app.engine.batcher import Batcher
 from app.engine.chat_format import ChatFormat
 from app.engine.detokenizer import Detokenizer
 from app.engine.errors import (
-    ChatError,
     ContextLengthExceeded,
     DeviceMemoryExhausted,
     EmptyMessage,
@@ -30,11 +31,10 @@ from app.engine.errors import (
     SessionBusy,
     TurnCancelled,
 )
-from app.engine.events import MemoryStats, TextDelta, TurnDone, Usage
+from app.engine.events import MemoryStats, TextDelta, TurnDone, TurnStatus, Usage
 from app.engine.host_memory import HostMemory
 from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
-from app.engine.replay import replay, replayable
 from app.engine.sampling import SamplingParams, make_generator
 from app.engine.session import Feed, Session, TurnStats
 from app.engine.steps import PrefillGate
@@ -58,12 +58,13 @@ class TurnLoop:
     batcher: Batcher
     get_session: Callable[[str], Session]
     memory: Callable[[Session], MemoryStats]
-    _admit: Callable[[Session, int, int], None]
-    _admit_in_turn: Callable[[Session, int, int], Awaitable[None]]
+    _admit_in_turn: Callable[[Session, int, int, list[Feed] | None], Awaitable[None]]
     admissions: AdmissionQueue
     _materialize: Callable[[Session], None]
-    _rebuild_cache: Callable[[Session], SessionCache]
     _release_quietly: Callable[[Session, SessionCache], None]
+    # A lost cache rebuilt (``app.engine.replay.CacheRebuild``).
+    _replay_plan: Callable[[Session], list[Feed] | None]
+    _rebuild: Callable[[Session, int, PrefillGate], AsyncIterator[TurnStatus]]
 
     def _turn_ids(self, session: Session, content: str) -> list[int]:
         user = {"role": "user", "content": content}
@@ -97,16 +98,19 @@ class TurnLoop:
 
     async def chat(
         self, session_id: str, content: str, params: SamplingParams | None = None
-    ) -> AsyncIterator[TextDelta | TurnDone]:
+    ) -> AsyncIterator[TextDelta | TurnStatus | TurnDone]:
         """Validate and start a turn; returns the async iterator of its events."""
         session = self.get_session(session_id)
         params = params or SamplingParams()
         new_ids = self._validate(session, content, params)
         prompt_tokens = len(session.token_ids) + len(new_ids)
         max_new = min(params.max_tokens or self.settings.max_new_tokens, self.max_context - prompt_tokens)
+        # A session whose cache was lost (an earlier rebuild was stopped) replays its log first: its
+        # admission counts that too.
+        replay = self._replay_plan(session)
         session.busy = True  # no other turn of this session while this one waits for device memory
         try:
-            await self._admit_in_turn(session, len(new_ids), max_new)
+            await self._admit_in_turn(session, len(new_ids), max_new, replay)
         except BaseException:
             session.busy = False
             raise
@@ -123,7 +127,7 @@ class TurnLoop:
 
     async def _run_turn(
         self, session: Session, content: str, new_ids: list[int], params: SamplingParams, max_new: int
-    ) -> AsyncIterator[TextDelta | TurnDone]:
+    ) -> AsyncIterator[TextDelta | TurnStatus | TurnDone]:
         t0 = time.perf_counter()
         before = len(session.messages), len(session.token_ids)
         session.messages.append({"role": "user", "content": content})
@@ -138,34 +142,29 @@ class TurnLoop:
         gate = PrefillGate(lambda: self._between_chunks(session))
         try:
             if session.cache is None:  # parked, restored from Redis, or after a failed step
-                await self._step(lambda: self._materialize(session))
-            cache = session.cache
-            if cache.history_len == 0:
-                session.feeds.clear()
+                await self._step(lambda: self._materialize(session))  # a restore that failed: lost
+            cache, ids = session.cache, session.token_ids
             fed = cache.history_len
-            prefill_ids = session.token_ids[fed:]
-            stats.prefilled_tokens = len(prefill_ids)
-            try:
-                token = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, sampler, gate)
-            except ChunkUnavailable as exc:
-                # Part of the cold history is unreadable (spilled to Redis, which is down now): the token
-                # ids still hold all of it, so this same turn rebuilds the cache from them, exactly
-                # (the earlier turns replayed as they were fed) when the session's log allows it.
-                feeds = session.feeds if replayable(session.feeds, fed) else []
-                log.warning("session %s: %s; rebuilding its cache in this turn (%s)", session.id, exc,
-                            f"replaying {len(feeds)} turns" if feeds else "one prefill of the history")
-                cache = await self._step(lambda: self._rebuild_cache(session))
+            if not session.lost_fed:
+                if fed == 0:
+                    session.feeds.clear()
+                stats.prefilled_tokens = len(ids) - fed
                 try:
-                    self._admit(session, 0, max_new)  # the bounds of a whole re-prefill
-                except ChatError:
-                    gate.undone = True  # refused before anything was fed: the session is as before the turn
-                    raise
-                await replay(self.batcher, session.id, cache, session.token_ids, feeds)
-                session.feeds = list(feeds)
-                prefill_ids = session.token_ids[cache.history_len :]
-                stats.prefilled_tokens = len(session.token_ids)
-                token = await self.batcher.prefill(session.id, cache, prefill_ids, max_new, sampler, gate)
-            session.feeds.append(Feed(len(prefill_ids), max_new))
+                    token = await self.batcher.prefill(session.id, cache, ids[fed:], max_new, sampler, gate)
+                except ChunkUnavailable as exc:
+                    # Part of the cold history is unreadable (spilled to Redis, which is down now): the token
+                    # ids still hold all of it, so this same turn rebuilds the cache from them.
+                    log.warning("session %s: %s", session.id, exc)
+                    session.lost_fed = fed
+            if session.lost_fed:
+                async with contextlib.aclosing(self._rebuild(session, max_new, gate)) as statuses:
+                    async for status in statuses:
+                        yield status
+                cache = session.cache
+                fed = cache.history_len
+                stats.prefilled_tokens = len(ids)  # the replayed history was fed again too
+                token = await self.batcher.prefill(session.id, cache, ids[fed:], max_new, sampler, gate)
+            session.feeds.append(Feed(len(ids) - fed, max_new))
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
             with self.batcher.decoding():
                 while True:
