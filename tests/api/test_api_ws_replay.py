@@ -7,6 +7,7 @@ import secrets
 from serving_helpers import WsChat, local_server, turn_until_done
 
 from bench.haystack import hide
+from tiers.keys import kv_key
 
 TURNS = [hide(["The pass key for the red door is 41735."], 300, [0.4], seed=3) + "\n\nWhat is the red door's key?",
          "Say it again."]
@@ -27,7 +28,7 @@ async def test_a_replay_streams_its_progress_before_the_reply(loaded, redis_url)
                 for text in TURNS:
                     await turn_until_done(chat, text)
                 # Redis loses the session's pages (an empty restart): the next turn replays the two turns.
-                pages = list(client.scan_iter(match=f"{namespace}:session:{info['session_id']}:kv:*"))
+                pages = list(client.scan_iter(match=kv_key(namespace, info["session_id"], "*")))
                 assert pages
                 client.delete(*pages)
                 await chat.send({"type": "message", "content": "Thanks!", "max_tokens": 8})

@@ -18,6 +18,7 @@ from app.engine.replay import TEACHER_FORCED
 from app.engine.sampling import SamplingParams
 from app.session_restore import record, restore
 from bench.haystack import hide
+from tiers.keys import kv_key
 
 pytestmark = pytest.mark.slow
 FACTS = ["The pass key for the red door is 41735.", "The pass key for the blue door is 90264."]
@@ -42,7 +43,7 @@ def lossy(make_engine, redis_url):
         return make_engine(**TIERED, host_tier_bytes=TIGHT, redis_url=redis_url, redis_namespace=namespace, **overrides)
 
     def lose(session_id: str) -> None:
-        keys = list(client.scan_iter(match=f"{namespace}:session:{session_id}:kv:*"))
+        keys = list(client.scan_iter(match=kv_key(namespace, session_id, "*")))
         assert keys, "the test needs pages in Redis"
         client.delete(*keys)
 
