@@ -39,7 +39,7 @@ def tiered_cache(name: str, reader: Transfers | None):
 
 
 def test_a_layer_read_whole_is_applied_on_the_page_reader_as_it_is_inline(monkeypatch):
-    demotes = threads_of(monkeypatch, "demote")
+    demotes = threads_of(monkeypatch, "stage_demotion")
     transfers = Transfers(torch.device("cpu"))
     try:
         runs = []

@@ -301,8 +301,12 @@ class ReselectTiered(PrefillPolicy):
 
     def _settle(self, layer: int) -> None:
         """Run a layer's pending re-selection on the keys its turn attended to (or wait for the page
-        reader to have run it)."""
-        p, self._pending[layer] = self._pending[layer].chosen(), None
+        reader to have run it). Nothing is left pending, even when it fails: a re-selection applies
+        whole or not at all (``_reorganise``), so a failed one leaves the layer as it was, the turn's
+        tokens on the device beside the primary set for the next turn to select from, or the cache
+        marked broken. A failed choice would only fail again."""
+        pending, self._pending[layer] = self._pending[layer], None
+        p = pending.chosen()
         if p is not None:
             self._apply(layer, p)
 
@@ -335,24 +339,39 @@ class ReselectTiered(PrefillPolicy):
 
     def _reorganise(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, cand) -> None:
         """Make the selection (slots (Hkv, kept) into [device slots, read-back slots]) the primary set:
-        promote the cold tokens it took, demote the device tokens it left, rebuild the decode set."""
+        promote the cold tokens it took, demote the device tokens it left, rebuild the decode set.
+
+        Whole or not at all: everything that may fail for want of room or a tier (the new primary set,
+        the demoted tokens' pages written to the host tier) happens before anything changes, so such a
+        failure leaves the layer as it was; then the page table, the store and the decode set change,
+        by steps that fail only on a bug or a device out of memory. Should one fail all the same, the
+        cache is half-updated and is marked broken, never to be used again."""
         cache = self.cache
         store, cold = cache.layers[layer], self.cold[layer]
         self._whole[layer] = None  # its cold set changes here
         t = store.length
         keys, values = store.keys, store.values
         from_cold = slots >= t
+        promoted, readmitted = None, 0
         if cand is not None and cand[0].shape[1]:
             keys, values = torch.cat([keys, cand[0]], dim=1), torch.cat([values, cand[1]], dim=1)
             cold_slot = torch.gather(cand[4], 1, (slots - t).clamp(min=0))
-            cold.promote(torch.where(from_cold, cold_slot, -1))
-            cache.readmitted += int(from_cold.sum())
+            promoted, readmitted = torch.where(from_cold, cold_slot, -1), int(from_cold.sum())
         new_k, new_v = take_rows(keys, slots), take_rows(values, slots)
         kept = torch.zeros(slots.shape[0], t + 1, dtype=torch.bool, device=slots.device)
         kept.scatter_(1, torch.where(from_cold, t, slots), True)
-        cache.traffic.bytes_demoted += cold.demote(store.keys, store.values, store.positions, ~kept[:, :t])
-        store.replace(new_k, new_v, positions)
-        cache.selected(layer, store, scores)
+        demoted = cold.stage_demotion(store.keys, store.values, store.positions, ~kept[:, :t])
+        try:
+            cold.commit(demoted)
+            if promoted is not None:
+                cold.promote(promoted)
+            cache.readmitted += readmitted
+            cache.traffic.bytes_demoted += demoted.written
+            store.replace(new_k, new_v, positions)
+            cache.selected(layer, store, scores)
+        except BaseException:
+            cache.broken = True
+            raise
 
     def _reads_whole(self, layer: int) -> bool:
         if self._whole[layer] is None:
