@@ -64,6 +64,7 @@ class TurnLoop:
     _materialize: Callable[[Session], None]
     _rebuild_cache: Callable[[Session], SessionCache]
     _release_quietly: Callable[[Session, SessionCache], None]
+    _drop_if_broken: Callable[[Session, SessionCache], None]
 
     def _turn_ids(self, session: Session, content: str) -> list[int]:
         user = {"role": "user", "content": content}
@@ -139,6 +140,15 @@ class TurnLoop:
         try:
             if session.cache is None:  # parked, restored from Redis, or after a failed step
                 await self._step(lambda: self._materialize(session))
+            elif session.cache.broken:
+                # A job on it (a left turn's settle, a persist) failed half-way since this turn was
+                # admitted: no turn runs on it; the history is prefilled again, within its own bounds.
+                await self._step(lambda: self._rebuild_cache(session))
+                try:
+                    self._admit(session, 0, max_new)
+                except ChatError:
+                    gate.undone = True  # refused before anything was fed: the session is as before the turn
+                    raise
             cache = session.cache
             if cache.history_len == 0:
                 session.feeds.clear()
@@ -298,7 +308,11 @@ class TurnLoop:
         def settle() -> tuple[int, int, int] | None:
             if session.cache is not cache or cache.history_len != fed:  # parked, or a later turn began
                 return None
-            cache.end_turn()
+            try:
+                cache.end_turn()
+            except Exception:
+                self._drop_if_broken(session, cache)
+                raise
             return _measure(cache)
 
         try:
@@ -307,9 +321,8 @@ class TurnLoop:
             return
 
         def settled(fut) -> None:
-            if fut.exception() is not None:
-                log.warning("session %s: a left turn's settle did not run (%s); its next turn settles it",
-                            session.id, fut.exception())
+            if fut.exception() is not None:  # the cache as it was, or dropped if the failure broke it
+                log.warning("session %s: a left turn's settle failed (%s)", session.id, fut.exception())
             elif fut.result() is not None:
                 loop.call_soon_threadsafe(self._record_settled, session, cache, fed, stats, fut.result())
 
