@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-import rocketkv_mt.cache.prefill.reselect_tiered as reselect_tiered
+import rocketkv_mt.cache.prefill.tiered.choice as choice
 from cache_drive import SPEC, forward, layer_inputs
 from rocketkv_mt.cache import CacheBroken, TierContext, TierPolicy, make_cache
 from rocketkv_mt.cache.decode.hsa import HSADecode
@@ -135,7 +135,7 @@ def test_redis_failing_to_take_a_spill_leaves_each_position_held_once(redis_url)
 def test_a_choice_that_fails_on_the_page_reader_leaves_the_cache_as_it_was(monkeypatch):
     transfers = Transfers(torch.device("cpu"))
     calls = []
-    choose = reselect_tiered.choose_over_parts
+    choose = choice.choose_over_parts
 
     def failing_last_layer(*args, **kwargs):
         # The first turn selects with nothing cold, by no choice over parts; the second and third
@@ -146,7 +146,7 @@ def test_a_choice_that_fails_on_the_page_reader_leaves_the_cache_as_it_was(monke
             raise RuntimeError("injected: the page reader's choice failed")
         return choose(*args, **kwargs)
 
-    monkeypatch.setattr(reselect_tiered, "choose_over_parts", failing_last_layer)
+    monkeypatch.setattr(choice, "choose_over_parts", failing_last_layer)
     try:
         cache = tiered(HostTier(64 << 20, None, pin=False), reader=transfers)
         gen = torch.Generator().manual_seed(13)

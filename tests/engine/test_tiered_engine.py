@@ -13,6 +13,8 @@ from app.engine.errors import HostMemoryExhausted
 from app.engine.events import TextDelta
 from app.engine.sampling import SamplingParams
 from bench.haystack import hide
+from rocketkv_mt.cache.decode.hsa import HSADecode
+from rocketkv_mt.cache.prefill.tiered import ReselectTiered
 
 pytestmark = pytest.mark.slow
 FACTS = ["The pass key for the red door is 41735.", "The pass key for the blue door is 90264."]
@@ -247,8 +249,6 @@ async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(m
     # The caller leaves at the first streamed token: the turn's re-selection, still pending after its
     # prefill, moves bytes between the tiers, which only the model thread touches while steps run. It
     # settles there, while the session is free for its next turn at once.
-    from rocketkv_mt.cache.prefill.reselect_tiered import ReselectTiered
-
     engine = make_engine(mode="tiered", token_budget=128, digest_read_whole=0)
     applied = []
     apply = ReselectTiered._apply
@@ -304,8 +304,6 @@ async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(m
 def _fail_decode_sets(monkeypatch) -> None:
     """From now on a layer's decode set cannot be built: the last step of applying a re-selection fails,
     after its tokens moved, leaving the cache half-updated (``SessionCache.broken``)."""
-    from rocketkv_mt.cache.decode.hsa import HSADecode
-
     def failing(*args, **kwargs):
         raise RuntimeError("injected: the decode set could not be built")
 
