@@ -11,7 +11,7 @@ Shapes: Hkv KV heads, P tokens per page, d head dim, N pages of one head.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,6 +68,19 @@ class Sketched:
     positions: torch.Tensor
     alive: torch.Tensor
     nbytes: int
+
+
+@dataclass
+class Demotion:
+    """A demotion written but not yet in the page table (``ColdLayer.stage_demotion``): the positions it
+    makes cold (Hkv, L; -1: not), the flat slots of those cold again in place (Hkv, L; -1: none), and
+    its new pages: their ids, the bytes written, and their table rows (None: no new page)."""
+
+    demoted: torch.Tensor
+    again: torch.Tensor
+    ids: list[str] = field(default_factory=list)
+    written: int = 0
+    pages: tuple | None = None
 
 
 def padded_indices(mask: torch.Tensor) -> torch.Tensor:
@@ -257,7 +270,18 @@ class ColdLayer:
 
     # --- moves -------------------------------------------------------------------------------
     def demote(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> int:
-        """Make cold the tokens where mask (Hkv, L) is set; returns the page bytes written.
+        """Make cold the tokens where mask (Hkv, L) is set; returns the page bytes written
+        (``stage_demotion`` then ``commit``)."""
+        staged = self.stage_demotion(keys, values, positions, mask)
+        self.commit(staged)
+        return staged.written
+
+    def stage_demotion(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                       mask: torch.Tensor) -> Demotion:
+        """Write the new pages of a demotion of the tokens where mask (Hkv, L) is set, and return it for
+        ``commit``: the page table is left as it was, so a write that fails (``HostFull``, a Redis that
+        cannot take a spill) leaves this layer unchanged, and a caller may stage every fallible step of
+        a move before it changes anything.
 
         keys/values (Hkv, L, d), positions (Hkv, L). Tokens that already have a page slot (promoted
         earlier) become cold again in place; the others are written to new pages, in position order or,
@@ -265,13 +289,12 @@ class ColdLayer:
         turn demotes a few pages a head, and per-head steps cost more than the bytes."""
         p, hkv = self.page_tokens, mask.shape[0]
         mask, pos_cpu = mask.cpu(), positions.cpu()
-        self._turn_demoted.append(torch.where(mask, pos_cpu, -1))
         slots = self._slots_at(pos_cpu)
-        self._mark(torch.where(mask, slots, -1), cold=True)
+        staged = Demotion(torch.where(mask, pos_cpu, -1), torch.where(mask, slots, -1))
         fresh = mask & (slots < 0)
         counts = fresh.sum(dim=1)
         if not bool(counts.any()):
-            return 0
+            return staged
         # The fresh tokens, head by head, in the order their pages take them: (head, store index) each.
         if self.by_keys and bool((counts > p).any()):
             order = self._grouped(keys, [torch.nonzero(fresh[i]).flatten() for i in range(hkv)])
@@ -297,17 +320,39 @@ class ColdLayer:
         head_of, at = head_of.to(keys.device), at.to(keys.device)
         k = keys[head_of, at].view(m, p, -1)
         v = values[head_of, at].masked_fill(pad.to(keys.device).unsqueeze(-1), 0).view(m, p, -1)
+        # Ids are never used twice, not even those of a write that failed: a spill of its first part
+        # may still be under way in the host tier.
         ids = [self._page_id(self.epoch, self._made + j) for j in range(m)]
         self._made += m
         encoded = self.codec.encode(k, v)
-        written = self.host.put_many(self.session_id, ids, encoded)
         # Bounds of the keys a fetch gives back (with int8 these differ from k by up to half a step).
         stored, stored_v = self.codec.decode(encoded, self.dtype)
         kmin, kmax = outward(stored.amin(dim=1).cpu(), up=False), outward(stored.amax(dim=1).cpu(), up=True)
         codes = self._encode_sketch(stored, kmin, kmax)
         vsketch = self._sketch_values(stored_v, pos)
-        self._append(page_head, ids, pos, pos >= 0, kmin, kmax, codes, vsketch)
-        return written
+        try:
+            staged.written = self.host.put_many(self.session_id, ids, encoded)
+        except BaseException:
+            # ``put_many`` takes back what it stored when it finds no room; on any other failure this does.
+            self.host.free_many(self.session_id, ids)
+            raise
+        staged.ids, staged.pages = ids, (page_head, pos, kmin, kmax, codes, vsketch)
+        return staged
+
+    def commit(self, staged: Demotion) -> None:
+        """Enter a staged demotion in the page table: its tokens are cold from now on. Table updates
+        only, nothing that waits on a tier; should one fail all the same, the new pages are freed
+        (the table may then be half-updated: the caller must not use the layer again)."""
+        self._turn_demoted.append(staged.demoted)
+        self._mark(staged.again, cold=True)
+        if staged.pages is None:
+            return
+        page_head, pos, kmin, kmax, codes, vsketch = staged.pages
+        try:
+            self._append(page_head, staged.ids, pos, pos >= 0, kmin, kmax, codes, vsketch)
+        except BaseException:
+            self.host.free_many(self.session_id, staged.ids)
+            raise
 
     def _sketch_values(self, values: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The value sketch of pages: codes (m, P, c) within each page's value bounds (m, d), taken over

@@ -153,7 +153,19 @@ class DeviceResidency:
             return cache.persist()
         except Exception:  # noqa: BLE001 - the record then goes without KV: a restore re-prefills
             log.warning("session %s: could not persist its KV", session.id, exc_info=True)
+            self._drop_if_broken(session, cache)
             return None
+
+    def _drop_if_broken(self, session: Session, cache: SessionCache) -> None:
+        """Model thread, after a job on a session's cache failed: a cache the failure left half-updated
+        (``SessionCache.broken``) goes, so that no turn runs on it; the next turn rebuilds the session
+        from its history. One that failed with nothing changed stays."""
+        if not cache.broken or session.cache is not cache:
+            return
+        log.warning("session %s: a failed change left its cache half-updated; dropped, its next turn "
+                    "re-prefills the history", session.id)
+        self.memory_account.take_cache(session)
+        self._release_quietly(session, cache)
 
     def _release_quietly(self, session: Session, cache: SessionCache) -> None:
         """Model thread: free a dropped cache's tier chunks now rather than at the session's deletion.

@@ -62,6 +62,7 @@ class TurnLoop:
     admissions: AdmissionQueue
     _materialize: Callable[[Session], None]
     _release_quietly: Callable[[Session, SessionCache], None]
+    _drop_if_broken: Callable[[Session, SessionCache], None]
     # A lost cache rebuilt (``app.engine.replay.CacheRebuild``).
     _replay_plan: Callable[[Session], list[Feed] | None]
     _rebuild: Callable[[Session, int, PrefillGate], AsyncIterator[TurnStatus]]
@@ -143,6 +144,10 @@ class TurnLoop:
         try:
             if session.cache is None:  # parked, restored from Redis, or after a failed step
                 await self._step(lambda: self._materialize(session))  # a restore that failed: lost
+            elif session.cache.broken and session.cache.history_len:
+                # A job on it (a left turn's settle, a persist) failed half-way since this turn was
+                # admitted: no turn runs on it; it is rebuilt as a lost cache is, within its own bounds.
+                session.lost_fed = session.cache.history_len
             cache, ids = session.cache, session.token_ids
             fed = cache.history_len
             if not session.lost_fed:
@@ -297,7 +302,11 @@ class TurnLoop:
         def settle() -> tuple[int, int, int] | None:
             if session.cache is not cache or cache.history_len != fed:  # parked, or a later turn began
                 return None
-            cache.end_turn()
+            try:
+                cache.end_turn()
+            except Exception:
+                self._drop_if_broken(session, cache)
+                raise
             return _measure(cache)
 
         try:
@@ -306,9 +315,8 @@ class TurnLoop:
             return
 
         def settled(fut) -> None:
-            if fut.exception() is not None:
-                log.warning("session %s: a left turn's settle did not run (%s); its next turn settles it",
-                            session.id, fut.exception())
+            if fut.exception() is not None:  # the cache as it was, or dropped if the failure broke it
+                log.warning("session %s: a left turn's settle failed (%s)", session.id, fut.exception())
             elif fut.result() is not None:
                 loop.call_soon_threadsafe(self._record_settled, session, cache, fed, stats, fut.result())
 

@@ -2,7 +2,7 @@
 (``prefill/``) composed with a decode policy (``decode/``), registered by name in ``CACHE_MODES``."""
 from __future__ import annotations
 
-from rocketkv_mt.cache.base import CacheSpec, SessionCache
+from rocketkv_mt.cache.base import CacheBroken, CacheSpec, SessionCache
 from rocketkv_mt.cache.composed import ComposedCache
 from rocketkv_mt.cache.mode import CacheMode
 from rocketkv_mt.cache.modes import CACHE_MODES, cache_mode
@@ -19,6 +19,6 @@ def make_cache(
 
 
 __all__ = [
-    "CACHE_MODES", "CacheMode", "CacheSpec", "SessionCache", "TierContext", "TierPolicy", "TurnSize", "cache_mode",
+    "CACHE_MODES", "CacheBroken", "CacheMode", "CacheSpec", "SessionCache", "TierContext", "TierPolicy", "TurnSize", "cache_mode",
     "make_cache",
 ]

@@ -13,6 +13,10 @@ from rocketkv_mt.config import BudgetSplit, RocketKVConfig
 from tiers.base import Traffic
 
 
+class CacheBroken(RuntimeError):
+    """A cache a change failed half-way through (``SessionCache.broken``) was asked to go on."""
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """The model's attention shape and where the cache lives."""
@@ -76,6 +80,10 @@ class SessionCache(Protocol):
     step: ForwardStep | None  # the forward in progress, between ``begin_forward`` and ``end_forward``
     timer: AttentionTimer
     traffic: Traffic  # bytes this cache moved between tiers in its last turn
+    # Set when a change failed half-way (a re-selection that could not be applied whole nor left
+    # undone): what it holds no longer accounts for its history, so it refuses every further turn,
+    # end of turn and persist (``CacheBroken``); the engine drops it and rebuilds the session.
+    broken: bool
 
     def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0, rest: int = 0) -> None:
         """``rest``: tokens of this prefill that later forwards feed (0: this forward ends it)."""

@@ -24,7 +24,7 @@ import time
 import torch
 
 from rocketkv_mt.attention_ops import dense_attention
-from rocketkv_mt.cache.base import AttentionTimer, CacheSpec, ForwardStep
+from rocketkv_mt.cache.base import AttentionTimer, CacheBroken, CacheSpec, ForwardStep
 from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.cache.memory_map import MemoryMap, map_summary, memory_map
 from rocketkv_mt.cache.mode import CacheMode
@@ -51,6 +51,7 @@ class ComposedCache:
         self.timer = AttentionTimer()
         self.traffic = Traffic()  # bytes this cache moved between tiers in its last turn
         self.readmitted = 0  # cold token slots promoted back this turn, over all layers and KV heads
+        self.broken = False  # see ``SessionCache.broken``
         # While a chunked prefill is under way: the history length and split from before its first chunk.
         self._chunked_from: tuple[int, BudgetSplit | None] | None = None
         # After a chunked prefill's last chunk: layer -> (window queries (Hq, w, d), scaling) to select with.
@@ -65,6 +66,7 @@ class ComposedCache:
 
     # --- engine side -------------------------------------------------------------------------
     def begin_forward(self, n_new: int, *, prefill: bool, max_new: int = 0, rest: int = 0) -> None:
+        self._usable()
         split = None
         if prefill:
             self.select_pending()  # with the split of the prefill that left it, before a new one is made
@@ -155,13 +157,17 @@ class ComposedCache:
         return len(self._unselected)
 
     def _select(self, layer: int) -> None:
-        q_win, scaling = self._unselected.pop(layer)
+        # The layer stays unselected until its selection is made: one that fails leaves the layer as it
+        # was (or the cache broken), and the next ``select_pending`` tries again.
+        q_win, scaling = self._unselected[layer]
         self.prefill.select(layer, q_win, scaling)
+        del self._unselected[layer]
 
     # A turn's end and persisting settle the turn's re-selection in place (on tensors the model step made
     # under inference mode): they run as jobs, outside a step, so they enter the mode themselves.
     @torch.inference_mode()
     def end_turn(self) -> None:
+        self._usable()
         self.select_pending()
         self.prefill.end_turn()
 
@@ -173,11 +179,16 @@ class ComposedCache:
 
     @torch.inference_mode()
     def persist(self) -> dict | None:
+        self._usable()  # a broken cache's KV must never reach Redis: a restore would bring it back
         if self.step is not None:  # between two chunks or slices: what the layers hold is no turn's end
             raise RuntimeError("a prefill is under way; persist after it")
         self.select_pending()
         state = self.prefill.persist()
         return None if state is None else {"history_len": self.history_len, **state}
+
+    def _usable(self) -> None:
+        if self.broken:
+            raise CacheBroken("this cache was left half-updated by a failed change; rebuild the session")
 
     def restore(self, state: dict) -> bool:
         if not self.prefill.restore(state):

@@ -9,7 +9,7 @@ from rocketkv_mt.cache.mode import CacheMode
 from rocketkv_mt.cache.prefill.evict_once import EvictOnce
 from rocketkv_mt.cache.prefill.keep import KeepAll
 from rocketkv_mt.cache.prefill.reselect_device import ReselectDevice
-from rocketkv_mt.cache.prefill.reselect_tiered import ReselectTiered
+from rocketkv_mt.cache.prefill.tiered import ReselectTiered
 
 CACHE_MODES = MappingProxyType({mode.name: mode for mode in (
     CacheMode("full", KeepAll, DenseDecode),  # the whole conversation, dense

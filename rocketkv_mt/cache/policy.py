@@ -68,6 +68,7 @@ class CacheState(Protocol):
     split: BudgetSplit | None
     traffic: Traffic
     readmitted: int  # cold token slots promoted back this turn, over all layers and KV heads
+    broken: bool  # set by a policy whose change failed half-way (``SessionCache.broken``)
 
     def positions(self, n_new: int) -> torch.Tensor: ...
 

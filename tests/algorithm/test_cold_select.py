@@ -177,7 +177,7 @@ def test_reselect_with_every_position_held_equals_stage1(group):
 
 
 def test_a_pending_selection_keeps_exactly_the_tokens_it_promotes():
-    from rocketkv_mt.cache.prefill.reselect_tiered import promoted_only
+    from rocketkv_mt.cache.prefill.tiered.choice import promoted_only
 
     g = torch.Generator().manual_seed(3)
     hkv, t, m, d = 3, 10, 12, 4

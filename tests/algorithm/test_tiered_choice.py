@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-import rocketkv_mt.cache.prefill.reselect_tiered as reselect_tiered
+import rocketkv_mt.cache.prefill.tiered.choice as choice
 from cache_drive import SPEC, three_turns
 from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
@@ -17,13 +17,13 @@ POLICY = TierPolicy(page_tokens=8, read_whole=0)
 
 def test_the_choice_on_the_page_reader_equals_the_choice_inline(monkeypatch):
     threads = []
-    choose = reselect_tiered.choose_over_parts
+    choose = choice.choose_over_parts
 
     def recorded(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return choose(*args, **kwargs)
 
-    monkeypatch.setattr(reselect_tiered, "choose_over_parts", recorded)
+    monkeypatch.setattr(choice, "choose_over_parts", recorded)
     rocket = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
     transfers = Transfers(torch.device("cpu"))
     try:

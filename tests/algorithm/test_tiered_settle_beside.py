@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-import rocketkv_mt.cache.prefill.reselect_tiered as reselect_tiered
+from rocketkv_mt.cache.prefill.tiered import ReselectTiered
 from cache_drive import SPEC, forward, layer_inputs, three_turns
 from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
@@ -39,7 +39,7 @@ def tiered_cache(name: str, reader: Transfers | None):
 
 
 def test_a_layer_read_whole_is_applied_on_the_page_reader_as_it_is_inline(monkeypatch):
-    demotes = threads_of(monkeypatch, "demote")
+    demotes = threads_of(monkeypatch, "stage_demotion")
     transfers = Transfers(torch.device("cpu"))
     try:
         runs = []
@@ -67,7 +67,7 @@ def test_a_layer_read_whole_is_applied_on_the_page_reader_as_it_is_inline(monkey
 def test_a_step_that_fails_after_a_layer_went_to_the_reader_leaves_nothing_running(monkeypatch):
     transfers = Transfers(torch.device("cpu"))
     started, release = threading.Event(), threading.Event()
-    reorganise = reselect_tiered.ReselectTiered._reorganise
+    reorganise = ReselectTiered._reorganise
 
     def slow_first_layer(self, layer, *args):
         if layer == 0 and threading.current_thread().name.startswith("rkv-pages"):
@@ -81,7 +81,7 @@ def test_a_step_that_fails_after_a_layer_went_to_the_reader_leaves_nothing_runni
         gen = torch.Generator().manual_seed(7)
         forward(cache, layer_inputs(gen, 200), prefill=True)
         cache.end_turn()
-        monkeypatch.setattr(reselect_tiered.ReselectTiered, "_reorganise", slow_first_layer)
+        monkeypatch.setattr(ReselectTiered, "_reorganise", slow_first_layer)
         inputs = layer_inputs(gen, 12)
         cache.begin_forward(12, prefill=True)
         cache.attend(0, *inputs[0], SPEC.head_dim ** -0.5)
@@ -93,7 +93,7 @@ def test_a_step_that_fails_after_a_layer_went_to_the_reader_leaves_nothing_runni
             cache.attend(1, *inputs[1], SPEC.head_dim ** -0.5)  # the next layer waits for it, and fails
         cache.release()
         assert pending.future.done() and all(p is None for p in cache.prefill._pending)
-        assert all(r is None for r in cache.prefill._reads)  # layer 1's read, started beside layer 0, ended
+        assert all(r is None for r in cache.prefill.reads._reads)  # layer 1's read, started beside layer 0, ended
     finally:
         transfers.close()
 
@@ -116,7 +116,7 @@ def test_the_next_layer_read_whole_is_read_on_the_page_reader(monkeypatch):
             here = [layer for layer, name in fetches if not name.startswith("rkv-pages")]
             if reader is not None:
                 assert on_reader == list(range(1, SPEC.num_layers)) and here == [0]
-                assert all(r is None for r in cache.prefill._reads)  # each handed over to its layer
+                assert all(r is None for r in cache.prefill.reads._reads)  # each handed over to its layer
             else:
                 assert here == list(range(SPEC.num_layers))
         for a, b in zip(*outs, strict=True):

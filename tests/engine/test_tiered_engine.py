@@ -13,6 +13,8 @@ from app.engine.errors import HostMemoryExhausted
 from app.engine.events import TextDelta
 from app.engine.sampling import SamplingParams
 from bench.haystack import hide
+from rocketkv_mt.cache.decode.hsa import HSADecode
+from rocketkv_mt.cache.prefill.tiered import ReselectTiered
 
 pytestmark = pytest.mark.slow
 FACTS = ["The pass key for the red door is 41735.", "The pass key for the blue door is 90264."]
@@ -247,8 +249,6 @@ async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(m
     # The caller leaves at the first streamed token: the turn's re-selection, still pending after its
     # prefill, moves bytes between the tiers, which only the model thread touches while steps run. It
     # settles there, while the session is free for its next turn at once.
-    from rocketkv_mt.cache.prefill.reselect_tiered import ReselectTiered
-
     engine = make_engine(mode="tiered", token_budget=128, digest_read_whole=0)
     applied = []
     apply = ReselectTiered._apply
@@ -299,3 +299,78 @@ async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(m
     assert done.usage.generated_tokens > 0 and cache.history_len > fed
     for layer in range(len(cache.layers)):
         assert torch.equal(positions_held(cache, layer, 0), torch.arange(cache.history_len)), layer
+
+
+def _fail_decode_sets(monkeypatch) -> None:
+    """From now on a layer's decode set cannot be built: the last step of applying a re-selection fails,
+    after its tokens moved, leaving the cache half-updated (``SessionCache.broken``)."""
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected: the decode set could not be built")
+
+    monkeypatch.setattr(HSADecode, "prepare", failing)
+
+
+async def _rebuilt_from_history(engine, session) -> None:
+    """The next turn runs on a new cache, prefilling the whole history, which every tier then holds once."""
+    done = await engine.complete(session.id, LATER[2], PARAMS)
+    assert done.usage.generated_tokens > 0 and done.usage.prefilled_tokens == done.usage.prompt_tokens
+    cache = session.cache
+    for layer in range(len(cache.layers)):
+        assert torch.equal(positions_held(cache, layer, 0), torch.arange(cache.history_len)), layer
+
+
+async def test_a_left_turns_settle_that_breaks_the_cache_drops_it(make_engine, monkeypatch):
+    # The settle job of a turn left at its first token fails half-way through a layer's re-selection:
+    # the half-updated cache goes at once (its cold pages freed), and no turn runs on it.
+    engine = make_engine(mode="tiered", token_budget=128, digest_read_whole=0)
+    session = engine.create_session()
+    try:
+        await engine.complete(session.id, FIRST, PARAMS)
+        events = await _leave_at_first_token(engine, session, LATER[0])
+        cache = session.cache
+        _fail_decode_sets(monkeypatch)
+        await events.aclose()
+        await engine.batcher.run(lambda: None)  # after the settle job (jobs run in order)
+        monkeypatch.undo()
+        assert session.cache is None and cache.broken
+        assert engine.host_tier.session_bytes(session.id) == 0
+        await _rebuilt_from_history(engine, session)
+    finally:
+        engine.delete_session(session.id)
+
+
+async def test_a_persist_that_breaks_the_cache_drops_it(make_engine, redis_url, monkeypatch):
+    # A persist settles what a left turn left pending; when that fails half-way, nothing is written
+    # and the half-updated cache goes: the next turn rebuilds the session from its history.
+    engine = make_engine(mode="tiered", token_budget=128, digest_read_whole=0, redis_url=redis_url,
+                         redis_namespace=f"rkvtest-{secrets.token_hex(3)}")
+    session = engine.create_session()
+    try:
+        await engine.complete(session.id, FIRST, PARAMS)
+        events = await _leave_at_first_token(engine, session, LATER[0])
+        cache = session.cache
+        cache.end_turn = lambda: None  # the left turn's settle job leaves its re-selection to the persist
+        await events.aclose()
+        await engine.batcher.run(lambda: None)
+        _fail_decode_sets(monkeypatch)
+        assert await engine.persist(session.id) is None
+        monkeypatch.undo()
+        assert session.cache is None and cache.broken
+        await _rebuilt_from_history(engine, session)
+    finally:
+        engine.delete_session(session.id)
+
+
+async def test_no_turn_runs_on_a_broken_cache(make_engine):
+    # Broken after its turn was admitted (a job's failure the engine has not seen yet): the turn
+    # rebuilds the session from its history instead.
+    engine = make_engine(mode="tiered", token_budget=128)
+    session = engine.create_session()
+    try:
+        await engine.complete(session.id, FIRST, PARAMS)
+        broken = session.cache
+        broken.broken = True
+        await _rebuilt_from_history(engine, session)
+        assert session.cache is not broken
+    finally:
+        engine.delete_session(session.id)

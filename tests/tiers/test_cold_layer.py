@@ -8,7 +8,7 @@ import torch
 from tiers.base import Traffic
 from tiers.codec import Int8Codec, RawCodec
 from tiers.cold_layer import DIGEST_DTYPE, ColdLayer, _Table
-from tiers.host import HostTier
+from tiers.host import HostFull, HostTier
 from tiers.redis_tier import decode_tensors, encode_tensors
 
 HKV, D, P, STORE = 3, 8, 16, 90
@@ -113,6 +113,64 @@ def test_demote_fetch_promote_and_demote_again():
     for h in range(HKV):
         assert torch.equal(layer.held_positions(h), positions[h][more[h]].sort().values)
     assert len(set(layer.page_ids())) == len(layer.page_ids()) == sum(pages_per_head) + new_pages
+
+
+def residency_of(layer: ColdLayer) -> list[list[torch.Tensor]]:
+    r = layer.residency()
+    return [r.positions, r.tiers, r.promoted, r.demoted]
+
+
+def some_promoted(seed: int, host: HostTier):
+    """A layer of pages of which some tokens were promoted, and a demotion to try on it: those tokens
+    again (cold again in place) and new ones (new pages). Returns (layer, store, the demotion's mask)."""
+    keys, values, positions = make_store(seed)
+    layer = new_layer(host)
+    mask = make_mask([40, 25, 9], seed=seed + 1)  # 3, 2 and 1 pages
+    layer.demote(keys, values, positions, mask)
+    _, (_, _, pos, alive, slots), _ = fetch_all(layer)
+    layer.promote(torch.where(alive & (pos % 2 == 0), slots, -1))
+    return layer, (keys, values, positions), mask | make_mask([10, 10, 10], seed=seed + 2)
+
+
+def test_a_demotion_the_host_tier_has_no_room_for_leaves_the_layer_as_it_was():
+    # A host tier of exactly the first demotion's 6 pages, and no Redis to spill to.
+    host = HostTier(6 * PAGE_BYTES, pin=False, page_bytes=PAGE_BYTES)
+    layer, store, more = some_promoted(30, host)
+    held = [layer.held_positions(h) for h in range(HKV)]
+    ids, moved, stored = layer.page_ids(), residency_of(layer), host.session_bytes("s1")
+    with pytest.raises(HostFull):
+        layer.demote(*store, more)
+    # Not one token made cold: the promoted ones are still on the device, the new ones have no page.
+    assert all(torch.equal(layer.held_positions(h), held[h]) for h in range(HKV))
+    assert layer.page_ids() == ids and host.session_bytes("s1") == stored
+    assert all(torch.equal(a, b) for was, now in zip(moved, residency_of(layer)) for a, b in zip(was, now))
+    # Staged in two steps, the same demotion writes first and changes the table only when committed.
+    roomy = HostTier(1 << 20, pin=False)
+    layer, store, more = some_promoted(30, roomy)
+    held = [layer.held_positions(h) for h in range(HKV)]
+    staged = layer.stage_demotion(*store, more)
+    assert staged.written > 0 and roomy.session_bytes("s1") == 6 * PAGE_BYTES + staged.written
+    assert all(torch.equal(layer.held_positions(h), held[h]) for h in range(HKV))
+    layer.commit(staged)
+    for h in range(HKV):
+        assert torch.equal(layer.held_positions(h), store[2][h][more[h]].sort().values)
+
+
+def test_a_page_table_that_fails_to_take_a_demotion_frees_its_new_pages(monkeypatch):
+    host = HostTier(1 << 20, pin=False)
+    layer, store, more = some_promoted(40, host)
+    stored = host.session_bytes("s1")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected: the page table could not grow")
+
+    monkeypatch.setattr(ColdLayer, "_append", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        layer.demote(*store, more)
+    # The table may be half-updated (its caller must drop the layer), but no page is left unowned.
+    assert host.session_bytes("s1") == stored
+    layer.free()
+    assert host.session_bytes("s1") == 0 and host.stats.entries == 0
 
 
 def test_free_empties_the_host_tier_for_the_session_only():
