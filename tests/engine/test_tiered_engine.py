@@ -336,7 +336,7 @@ async def test_a_left_turns_settle_that_breaks_the_cache_drops_it(make_engine, m
         assert engine.host_tier.session_bytes(session.id) == 0
         await _rebuilt_from_history(engine, session)
     finally:
-        engine.delete_session(session.id)
+        await engine.delete_session(session.id)
 
 
 async def test_a_persist_that_breaks_the_cache_drops_it(make_engine, redis_url, monkeypatch):
@@ -358,7 +358,7 @@ async def test_a_persist_that_breaks_the_cache_drops_it(make_engine, redis_url, 
         assert session.cache is None and cache.broken
         await _rebuilt_from_history(engine, session)
     finally:
-        engine.delete_session(session.id)
+        await engine.delete_session(session.id)
 
 
 async def test_no_turn_runs_on_a_broken_cache(make_engine):
@@ -373,4 +373,4 @@ async def test_no_turn_runs_on_a_broken_cache(make_engine):
         await _rebuilt_from_history(engine, session)
         assert session.cache is not broken
     finally:
-        engine.delete_session(session.id)
+        await engine.delete_session(session.id)
