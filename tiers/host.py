@@ -354,15 +354,15 @@ class HostTier:
             self.copies.forget(session_id)
         return freed
 
-    def persist_many(self, session_id: str, page_ids: list[str]) -> int | None:
-        """Make sure Redis holds a copy of these pages: those it is believed to hold are checked (and
-        their TTL renewed), the others, and any found missing, are written from their host slots, with
-        the lock released. Returns the bytes written, or None when Redis is unavailable or a page is
-        held nowhere."""
+    def persist_many(self, session_id: str, page_ids: list[str], verify: bool = True) -> int | None:
+        """Make sure Redis holds a copy of these pages: with ``verify``, those it is believed to hold are
+        checked (and their TTL renewed); the others, and any found missing, are written from their host
+        slots, with the lock released. Returns the bytes written, or None when Redis is unavailable or a
+        page is held nowhere."""
         if self.redis is None:
             return None
         with self._lock:
-            believed = self.copies.believed(session_id, page_ids)
+            believed = self.copies.believed(session_id, page_ids) if verify else []
         found = self.redis.renew_pages(session_id, believed)
         if found is None:
             return None

@@ -28,6 +28,7 @@ class _Session:
     copies: set[str] = field(default_factory=set)  # pages Redis is believed to hold
     gens: dict[str, Generation] = field(default_factory=dict)  # written or committed, oldest first
     waiting: set[str] = field(default_factory=set)  # freed pages whose copy a generation still names
+    sweep: bool = False  # adopted from a record: the first commit also clears what earlier holders left
     renewed_at: float = 0.0  # when every key of the session last had its TTL renewed (0: never, here)
 
 
@@ -37,6 +38,7 @@ class Collected:
 
     gens: dict[str, int]
     pages: list[str]
+    sweep: bool = False
 
 
 class RedisCopies:
@@ -91,6 +93,7 @@ class RedisCopies:
         s = self._of(sid)
         s.copies.update(pids)
         s.gens[gen] = Generation(layers, frozenset(pids))
+        s.sweep = True
         s.renewed_at = time.monotonic()  # the restore's existence check renewed every page it names
 
     def commit(self, sid: str, gen: str) -> Collected:
@@ -104,7 +107,8 @@ class RedisCopies:
             if g == gen:
                 break
             older[g] = s.gens.pop(g).layers
-        return Collected(older, self._collect(s))
+        sweep, s.sweep = s.sweep, False
+        return Collected(older, self._collect(s), sweep)
 
     def abandon(self, sid: str, gen: str) -> Collected:
         """``gen``'s record was not committed (it lost its compare-and-set, or its write failed)."""

@@ -238,22 +238,6 @@ class RedisTier:
 
         return self._run(op(), default=None)
 
-    def renew_session(self, session_id: str) -> bool:
-        """Renew the TTL of every KV key of the session (its manifest's names, and the manifest)."""
-        names = self.manifest(session_id)
-        if names is None:
-            return False
-        keys = [self.chunk_key(session_id, n) for n in names]
-
-        async def op():
-            async with self._client.pipeline(transaction=False) as pipe:
-                for key in [*keys, self.manifest_key(session_id)]:
-                    pipe.expire(key, self.kv_ttl_s)
-                await pipe.execute()
-            return True
-
-        return bool(self._run(op(), default=False))
-
     def delete_session(self, session_id: str, rounds: int = 4) -> bool:
         """Remove every KV key of the session, by its manifest: exactly the keys written for it, no
         scan. A writer still finishing (a spill that began before the delete) may add names meanwhile,

@@ -9,12 +9,14 @@ share them), then the generation's own page tables and primary sets, ``<gen>.ind
 compare-and-set, the one commit point: a record never names bytes written after it, and a restore
 reads exactly the generation its record names, all or nothing. A generation whose record did not
 commit is removed (``abandoned``); once one commits, the generations before it and the copies of pages
-freed since are collected (``committed``). A restore, having taken the generation on (``adopt``),
-clears what earlier holders left: keys in the manifest that nothing here names (what a holder that
-crashed, or lost the session, wrote after its last commit).
+freed since are collected (``committed``). After a move, the new holder's first commit also clears
+what earlier holders left: keys in the manifest that nothing here names (what a holder that crashed,
+or lost the session, wrote after its last commit). Not before: until that commit, the holder it was
+restored from may still be saving, and its save may yet win.
 
-Lifetimes: the record's TTL is renewed by every save; the KV's (a quarter TTL longer) by a commit at
-least a quarter TTL after the last renewal, and by every read. So KV outlives the record naming it.
+Lifetimes: the record's TTL is renewed by every save; a generation's keys are written with a quarter
+TTL more, and the pages it shares with earlier ones are checked and renewed by a save at least a
+quarter TTL after they last were (and by every read). So KV outlives the record naming it.
 """
 from __future__ import annotations
 
@@ -63,9 +65,13 @@ class SessionKV:
             return None
         gen = secrets.token_hex(6)
         self.host.hold(self.sid, gen, len(layers), [pid for layer in layers for pid in layer.pages])
+        # Pages believed in Redis were written or checked within a quarter TTL, so their keys outlive the
+        # record by then; checking them all (an EXPIRE each: ~0.1 s for 20k pages) is kept for when that
+        # quarter has passed. A spill, which drops a host copy, always checks.
+        verify = self.host.due_renewal(self.sid, self.redis.ttl_s / 4)
         written = 0
         for layer in layers:
-            n = self.host.persist_many(self.sid, layer.pages)
+            n = self.host.persist_many(self.sid, layer.pages, verify)
             if n is None:
                 self.abandoned({"gen": gen, "layers": len(layers)})
                 return None
@@ -74,6 +80,8 @@ class SessionKV:
         if not self.redis.put_pages(self.sid, tables):
             self.abandoned({"gen": gen, "layers": len(layers)})
             return None
+        if verify:
+            self.host.renewed(self.sid)
         return {"gen": gen, "layers": len(layers)}, written + sum(batch_nbytes(t) for t in tables.values())
 
     def read(self, ref: dict) -> list[tuple[PageBatch, PageBatch]] | None:
@@ -89,27 +97,25 @@ class SessionKV:
 
     def adopt(self, ref: dict, pages: list[str]) -> bool:
         """Whether Redis holds every page the generation names (their TTLs renewed on the way); if so the
-        host tier takes them as this session's, named by that generation, and what the manifest lists
-        besides is removed."""
+        host tier takes them as this session's, named by that generation."""
         parsed = valid_ref(ref)
         found = self.redis.renew_pages(self.sid, pages) if parsed is not None and self.redis is not None else None
         if found is None or not all(found):
             return False
         self.host.adopt(self.sid, parsed[0], parsed[1], pages)
-        self.redis.delete_pages(self.sid, self._strays())
         return True
 
     def committed(self, ref: dict) -> None:
         """The record naming ``ref`` committed: remove the generations before it and the page copies
-        nothing names now; renew the session's keys when a quarter TTL has passed since the last time."""
+        nothing names now."""
         parsed = valid_ref(ref)
         if parsed is None or self.redis is None:
             return
         done = self.host.commit(self.sid, parsed[0])
         names = [n for gen, layers in done.gens.items() for n in table_names(gen, layers)] + done.pages
+        if done.sweep:
+            names += self._strays()
         self.redis.delete_pages(self.sid, names)
-        if self.host.due_renewal(self.sid, self.redis.ttl_s / 4) and self.redis.renew_session(self.sid):
-            self.host.renewed(self.sid)
 
     def abandoned(self, ref: dict) -> None:
         """The record naming ``ref`` was not committed: its generation goes, and the page copies that

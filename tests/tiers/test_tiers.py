@@ -106,6 +106,26 @@ def test_host_bound_holds_and_spill_promote_keeps_every_byte(redis_tier):
     assert host.stats.entries == 0 and host.stats.bytes == 0
 
 
+def test_a_spill_checks_that_redis_still_holds_a_page_before_dropping_its_host_copy(redis_tier, redis_url):
+    """A page read back from Redis is in the host tier and believed in Redis; if its key went (expired,
+    or Redis restarted empty), spilling it again must write it, not drop the last copy."""
+    import redis
+
+    pages = {f"c{i}": make_page(200 + i) for i in range(3)}
+    host = HostTier(capacity_bytes=2 * PAGE_BYTES, redis=redis_tier)
+    for cid, page in pages.items():
+        host.put_many("s2", [cid], stacked(page))
+    assert host.where("s2", "c0") == "redis"
+    host.read_many("s2", ["c0"])  # back in a slot (c1 spilled for it), still believed in Redis
+    assert host.where("s2", "c0") == "host" and host.copies.holds("s2", "c0")
+    redis.Redis.from_url(redis_url).delete(redis_tier.chunk_key("s2", "c0"))
+    host.read_many("s2", ["c1"])  # c0, least recently used, spills to make room
+    host.read_many("s2", ["c2"])
+    assert host.where("s2", "c0") == "redis"
+    got, from_redis = host.read_many("s2", ["c0"])
+    assert from_redis == PAGE_BYTES and same({k: t[0] for k, t in got.items()}, pages["c0"])
+
+
 def test_a_read_larger_than_the_host_tier_returns_every_page_intact(redis_tier):
     """One read of more pages than the pool holds: each page comes back as written, whatever the
     read spills and promotes on the way (no view of a reused slot)."""
