@@ -185,8 +185,7 @@ class HostTier:
                     if key in self._doomed:
                         self._doomed.discard(key)
                         if ok:  # its copy goes now, unless a generation names it
-                            self.copies.add(sid, [pid])
-                            orphans.setdefault(sid, []).extend(self.copies.free(sid, [pid]))
+                            orphans.setdefault(sid, []).extend(self.copies.written_after_free(sid, [pid]))
                 elif ok:
                     freed.append(slot)
                     self.copies.add(sid, [pid])

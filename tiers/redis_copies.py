@@ -83,6 +83,16 @@ class RedisCopies:
                 (s.waiting.add if pid in named else now.append)(pid)
         return now
 
+    def written_after_free(self, sid: str, pids: list[str]) -> list[str]:
+        """Copies that a spill wrote of pages freed meanwhile: those no generation names, to delete now
+        (the others wait, as ``free`` has them wait)."""
+        s = self._sessions.get(sid)
+        if s is None:  # the session left or was deleted meanwhile: nothing names them
+            return list(pids)
+        named = self._named(s)
+        s.waiting.update(p for p in pids if p in named)
+        return [p for p in pids if p not in named]
+
     # --- generations -------------------------------------------------------------------------
     def hold(self, sid: str, gen: str, layers: int, pids) -> None:
         """A generation being written names these pages: none of their copies goes until it is settled."""
