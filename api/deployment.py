@@ -4,9 +4,9 @@
 reaches it through a ``RayTransport`` whose requests ``SessionAffinityRouter`` pins to the
 session's replica. Each
 replica registers the sessions it serves with ``@serve.multiplexed`` (the router prefers a
-replica that holds the session); the registry is only routing data, the sessions themselves
-live in the service. ``deploy`` / ``run_ray`` start Ray, its HTTP proxy and the application
-(``rocketkv-mt serve``).
+replica that holds the session) and reports its room for new sessions (``record_routing_stats``,
+``app.placement``); both are only routing data, the sessions themselves live in the service.
+``deploy`` / ``run_ray`` start Ray, its HTTP proxy and the application (``rocketkv-mt serve``).
 """
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ from app.settings import ServerSettings
 # Read at import because the decorator needs it at class creation (replicas inherit the env).
 MAX_HELD = int(os.environ.get("RKV_MAX_SESSIONS_PER_REPLICA", "1024"))
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# How often replicas report their room to the routers: a burst of new sessions between two reports is
+# spread by the router's own count (``app.placement.Placer``), so seconds are enough.
+ROUTING_STATS_S = 2.0
 APP_NAME = "rocketkv-mt"
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,10 @@ class ChatReplica:
         # Serve calls this periodically from the replica's loop: a replica that has not served
         # anything yet still starts housekeeping (and reports its stats).
         self.service.start()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        # Serve polls this every ROUTING_STATS_S and hands it to the routers (``api.ray_router``).
+        return self.service.routing_stats()
 
     @serve.multiplexed(max_num_models_per_replica=MAX_HELD)
     async def _hold(self, session_id: str) -> str:
@@ -120,7 +127,11 @@ def build_app(settings: ServerSettings):
             },
         },
         max_ongoing_requests=settings.max_ongoing_requests,
-        request_router_config=RequestRouterConfig(request_router_class="api.ray_router.SessionAffinityRouter"),
+        request_router_config=RequestRouterConfig(
+            request_router_class="api.ray_router.SessionAffinityRouter",
+            request_router_kwargs={"policy": settings.placement},
+            request_routing_stats_period_s=ROUTING_STATS_S,
+        ),
         **scaling,
     )
     ingress = serve.deployment(Ingress).options(

@@ -1,11 +1,14 @@
 """Ray Serve request router that pins every session to one chat replica.
 
-Requests carry their session id as ``multiplexed_model_id``. The replica is chosen as:
+Requests carry their session id as ``multiplexed_model_id``. The replica is chosen by
+``app.placement`` (``RKV_PLACEMENT``):
 1. a replica that reports holding the session (replicas register the sessions they serve
    through ``@serve.multiplexed``), so sessions stay put when replicas are added;
-2. otherwise, by rendezvous hashing of the session id over the live replicas, so every router
-   (one per ingress replica) picks the same replica without coordination, and a session whose
-   replica died moves to a deterministic survivor, which restores it from Redis.
+2. otherwise (a new session, or one whose replica died), with ``memory`` the replica that last
+   reported the most room (``record_routing_stats``: free device budget, sessions, host room),
+   ties by rendezvous hashing of the session id; with ``hash`` the rendezvous hash alone, so every
+   router picks the same replica without coordination. Either way a session whose replica died
+   moves to a survivor, which restores it from Redis.
 
 Unlike Ray's default multiplex routing, there is no fallback to another replica when the chosen
 one is busy: the request waits (with backoff) for it, because serving a turn elsewhere would
@@ -14,28 +17,37 @@ choices.
 """
 from __future__ import annotations
 
-import hashlib
 import random
+import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-
-def rendezvous_score(session_id: str, replica_key: str) -> int:
-    digest = hashlib.blake2b(f"{session_id}\0{replica_key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+from app.placement import Candidate, Placer, Policy, Room, place
 
 
 def replica_key(replica: RunningReplica) -> str:
     return replica.replica_id.unique_id
 
 
-def pick_replica(session_id: str, replicas: list[RunningReplica]) -> RunningReplica:
-    holders = [r for r in replicas if session_id in r.multiplexed_model_ids]
-    pool = holders or replicas
-    return max(pool, key=lambda r: rendezvous_score(session_id, replica_key(r)))
+def candidates(session_id: str, replicas: list[RunningReplica]) -> list[Candidate]:
+    """The replicas as ``app.placement`` sees them: key, whether each holds the session, its room."""
+    return [
+        Candidate(replica_key(r), session_id in r.multiplexed_model_ids, Room.from_stats(getattr(r, "routing_stats", None)))
+        for r in replicas
+    ]
+
+
+def pick_replica(session_id: str, replicas: list[RunningReplica], policy: Policy = "memory") -> RunningReplica:
+    """The replica ``place`` picks, without a router's memory of earlier placements."""
+    key = place(session_id, candidates(session_id, replicas), policy).key
+    return next(r for r in replicas if replica_key(r) == key)
 
 
 class SessionAffinityRouter(RequestRouter):
+    def initialize_state(self, policy: Policy = "memory", **kwargs) -> None:
+        # Called by Serve with ``request_router_kwargs`` (``api.deployment.build_app``).
+        self.placer = Placer(policy)
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -49,4 +61,7 @@ class SessionAffinityRouter(RequestRouter):
         session_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         if not session_id:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-        return [[pick_replica(session_id, candidate_replicas)]]
+        if not hasattr(self, "placer"):  # constructed without ``initialize_state``
+            self.placer = Placer()
+        key = self.placer.choose(session_id, candidates(session_id, candidate_replicas), time.monotonic())
+        return [[r for r in candidate_replicas if replica_key(r) == key]]

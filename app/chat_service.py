@@ -27,7 +27,7 @@ from app.contract.errors import SessionBusy
 from app.contract.events import TurnEvent
 from app.engine.engine import Engine
 from app.engine.session import Session
-from app.replica_status import redis_health, replica_totals
+from app.replica_status import redis_health, replica_room, replica_totals
 from app.session_access import SessionAccess, refuse
 from app.session_map import session_map
 from app.session_repository import SessionRepository
@@ -243,6 +243,10 @@ class ChatService:
 
     def totals(self) -> dict[str, Any]:
         return replica_totals(self.engine, self.replica)
+
+    def routing_stats(self) -> dict[str, Any]:
+        """What this replica tells the router (``app.placement``): its room for new sessions."""
+        return replica_room(self.engine, self.residency.max_sessions).as_stats()
 
     # --- turns ---------------------------------------------------------------------------------
     async def chat(

@@ -222,6 +222,13 @@ class ServeSettings(BaseSettings):
     ingress_max_ongoing_requests: int = Field(
         1000, ge=1, description="Concurrent requests of the HTTP ingress; each open WebSocket holds one."
     )
+    placement: Literal["memory", "hash"] = Field(
+        "memory",
+        description="Where a session not held by any replica (new, or its replica gone) goes: the replica with the "
+        "most free device memory, then fewest sessions, then most host-tier room, as the replicas last reported "
+        "(`memory`; ties by rendezvous hash), or the rendezvous hash of its id alone (`hash`). A held session "
+        "stays with its replica either way.",
+    )
     max_sessions_per_replica: int = Field(
         1024,
         ge=1,

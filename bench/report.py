@@ -60,6 +60,14 @@ ABOUT = {
             "and token ids) is what its client was acknowledged, no deleted session answers on any replica, no "
             "Redis key of the session namespace lacks a live record, and each replica's used host-tier bytes are "
             "its live sessions' sum. Failed attempts (retried) are counted by kind; a violation fails the run.",
+    "placement": "Where new sessions go, by simulation (`rocketkv-mt bench placement`): a synthetic chat trace "
+                 "(sized from LMSYS-Chat-1M and ShareGPT statistics; `bench/placement_trace.py`) replayed against "
+                 "2, 8 and 64 simulated replicas with the server's own placement (`app/placement.py`), per-session "
+                 "byte bounds and admission (parking, waits, refusals); only the model is simulated. `hash` places "
+                 "new sessions by rendezvous hashing, `memory` on the replica that last reported the most room, "
+                 "`memory+moves` also places a parked `tiered` session again at its next turn (simulated only). "
+                 "Device use: held bytes over the budget (fleet mean), and bytes of active sessions and turns in "
+                 "flight over the budget (mean replica, busiest replica), sampled at each report.",
     "rounds": "The load bench's conversations in one process with every model step recorded "
               "(`rocketkv-mt bench rounds`): each round of concurrent short turns as its prefill and decode "
               "steps, beside a turn alone.",
@@ -262,6 +270,29 @@ def _soak(d: dict) -> list[str]:
     return lines + _table(["check", "checked", "violations"], rows)
 
 
+def _placement(d: dict) -> list[str]:
+    p = d["placement"]
+    sim = p["sim"]
+    lines = [f"{p['model']}, device budget {sim['device_budget'] / 1024**3:g} GiB a replica, token budget "
+             f"{sim['token_budget']}, admission wait {sim['admission_wait_s']:g} s, reports every {sim['report_s']:g} s, "
+             f"prefill {sim['prefill_tps']:g} and decode {sim['decode_tps']:g} tokens/s a session, seed {p['seed']}.", ""]
+    for name, runs in d["scenarios"].items():
+        shape = p["scenarios"][name]
+        lines.append(f"`{name}`: {shape['rate']:g} conversations/s a replica for {shape['duration_s']:g} s; per "
+                     "replica count, the trace drawn: " + "; ".join(
+                         f"{n}: {r['trace']['conversations']:,} conversations, {r['trace']['mean_turns']} turns, "
+                         f"{r['trace']['mean_prompt_tokens']:g} / {r['trace']['mean_reply_tokens']:g} tokens a "
+                         f"message / reply, gaps {r['trace']['mean_gap_s']:g} s" for n, r in runs.items()) + ".")
+        lines.append("")
+        rows = [[n, f"`{policy}`", f"{x['turns']:,}", x["refused"], x["waited"], f"{x['parks']:,}",
+                 f"{x['reprefill_tokens']:,}", x["restores"], x["moves"], f"{x['device_held_mean']:.0%}",
+                 f"{x['device_active_mean']:.0%} / {x['device_active_busiest']:.0%}"]
+                for n, r in runs.items() for policy, x in r["policies"].items()]
+        lines += _table(["replicas", "policy", "turns", "refused", "waited", "parks", "re-prefilled tokens",
+                         "restores", "moves", "device held", "active: mean / busiest replica"], rows) + [""]
+    return lines[:-1]
+
+
 def _rounds(d: dict) -> list[str]:
     phases = [("context messages", d["context_phase"])]
     phases += [(f"round {i}", r) for i, r in enumerate(d["rounds"], 1)]
@@ -320,7 +351,7 @@ def _fields(d: dict) -> list[str]:
 TABLES: dict[str, Callable[[dict], list[str]]] = {
     "eval": _eval, "needle": _needle, "fidelity": _fidelity, "history-swap": _history_swap, "scaling": _scaling,
     "decode": _decode, "capacity": _capacity, "prefill-peak": _prefill_peak, "ttft": _ttft, "serve": _serve,
-    "stall": _stall, "soak": _soak, "rounds": _rounds, "hsa": _hsa, "linear": _linear, "ops": _ops,
+    "stall": _stall, "soak": _soak, "placement": _placement, "rounds": _rounds, "hsa": _hsa, "linear": _linear, "ops": _ops,
 }
 
 

@@ -12,7 +12,7 @@ RESULTS = ROOT / "results"
 # Benchmarks in the order the report lists them: what a user weighs first (recall, then speed and
 # memory) before the lower-level timings. A folder not named here is listed after them.
 ORDER = ("eval", "needle", "fidelity", "history-swap", "scaling", "decode", "capacity", "prefill-peak", "ttft",
-         "serve", "soak", "rounds", "hsa", "linear", "ops", "gpu")
+         "serve", "soak", "placement", "rounds", "hsa", "linear", "ops", "gpu")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ def kind(data: dict, path: Path | None = None) -> str:
     modes = data.get("modes")
     if "turns_failed" in data and "violations" in data:
         return "soak"
+    if "replica_counts" in data and "scenarios" in data:
+        return "placement"
     if "stall_tokens" in data:
         return "stall"
     if "aggregate_tokens_per_s" in data:

@@ -142,6 +142,7 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=_run("bench.scaling"))
 
     add_soak_parser(bench)
+    add_placement_parser(bench)
     add_history_swap_parser(bench)
     add_ruler_tasks_parser(bench)
     add_fidelity_parser(bench)
@@ -185,6 +186,31 @@ def add_soak_parser(bench) -> None:
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar or event lines")
     p.set_defaults(func=_run("bench.soak"))
+
+
+def add_placement_parser(bench) -> None:
+    p = bench.add_parser("placement", help="simulate a chat trace on N replicas with the server's placement, byte model "
+                         "and admission: refusals, parks, moves and device use per policy (bench/placement.py)")
+    p.add_argument("--replicas", default="2,8,64", help="replica counts, comma separated")
+    p.add_argument("--policies", default="hash,memory", help="placement policies (RKV_PLACEMENT), comma separated")
+    p.add_argument("--moves", action="store_true",
+                   help="also memory+moves: a parked tiered session is placed again at its next turn (simulated only)")
+    p.add_argument("--scenarios", default="chat,burst", help="chat (the chat trace), burst (a fresh fleet hit at once)")
+    p.add_argument("--rate", type=float, default=0.25, help="chat: conversations a second per replica")
+    p.add_argument("--duration", type=float, default=1200.0, help="chat: seconds conversations arrive")
+    p.add_argument("--doc-share", type=float, default=0.10, help="chat: share of conversations opening with a document")
+    p.add_argument("--full-share", type=float, default=0.20, help="chat: share of sessions in full mode (else tiered)")
+    p.add_argument("--burst-rate", type=float, default=0.8, help="burst: conversations a second per replica")
+    p.add_argument("--burst-duration", type=float, default=30.0, help="burst: seconds conversations arrive")
+    p.add_argument("--burst-doc", type=float, default=8000.0, help="burst: median tokens of each opening document")
+    p.add_argument("--max-new", type=int, default=512, help="max tokens a turn may generate (its reservation)")
+    p.add_argument("--device-budget-gib", type=float, default=16.0, help="device budget for session caches per replica")
+    p.add_argument("--budget", type=int, default=256, help="RocketKV token budget")
+    p.add_argument("--admission-wait", type=float, default=60.0, help="RKV_ADMISSION_WAIT_S of the replicas")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--quiet", action="store_true", help="no line per run on stderr")
+    p.set_defaults(func=_run("bench.placement"))
 
 
 def add_report_parsers(bench) -> None:
