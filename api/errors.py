@@ -20,6 +20,7 @@ STATUS = {
     "model_not_found": 404,
     "session_busy": 409,
     "history_mismatch": 409,
+    "session_moved": 409,
     "replica_unavailable": 503,
     "device_memory_exhausted": 503,
     "host_memory_exhausted": 503,

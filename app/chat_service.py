@@ -38,6 +38,8 @@ from app.session_turns import Turns
 
 log = logging.getLogger(__name__)
 STATS_PUSH_S = 5.0
+# A delete still logged this long after it began lost its replica half way: any replica finishes it.
+DELETE_GRACE_S = 10.0
 TICK_S = 1.0  # housekeeping period: unsaved sessions are retried this often while Redis is down
 
 
@@ -91,6 +93,8 @@ class ChatService:
                 if self.repository is not None:
                     self.residency.evict_idle()
                     await self.repository.save_unsaved(self.access.digest)
+                    await self._drop_stale()
+                    await self._finish_deletes()
                     if time.monotonic() - last_push >= STATS_PUSH_S:
                         last_push = time.monotonic()
                         await self.repository.push_stats()
@@ -110,10 +114,31 @@ class ChatService:
         if self.repository is not None:
             self.repository.forget(sid)
 
-    async def _persist(self, session: Session, quiet: bool = False) -> None:
+    async def _persist(self, session: Session, quiet: bool = False) -> str | None:
+        """Save the session (``SessionRepository.save``'s outcome; None without a store)."""
         digest = self.access.digest(session.id)
         if self.repository is not None and digest is not None:
-            await self.repository.save(session, digest, quiet)
+            return await self.repository.save(session, digest, quiet)
+        return None
+
+    async def _drop_stale(self) -> None:
+        """Let go of the copies held here that another replica saved since, or that were deleted: an idle
+        stale copy must not be the one served if Redis becomes unreachable (a busy one learns at its save)."""
+        stale, deleted = await self.repository.refresh()
+        for sid in stale + deleted:
+            session = self.engine.sessions.get(sid)
+            if session is not None and session.busy:
+                continue
+            if sid in deleted:
+                await self._purge(sid)
+            else:
+                self._forget(sid)
+
+    async def _finish_deletes(self) -> None:
+        """Finish the deletes whose replica died after the tombstone: their KV keys go by their manifest."""
+        for sid in await self.repository.unfinished_deletes(DELETE_GRACE_S):
+            if sid not in self.engine.sessions and await self.engine.purge(sid):
+                await self.repository.finished_delete(sid)
 
     async def _session(self, sid: str, token: str | None, owner: str | None) -> tuple[Session, bool]:
         """The session if ``owner`` and ``token`` open it, restoring it from the store when it is not here.
@@ -213,14 +238,17 @@ class ChatService:
             raise SessionBusy("the session is generating; cancel it first")
         if self.repository is not None:
             await self.repository.delete(sid)
-        await self._purge(sid)
+        if await self._purge(sid) and self.repository is not None:
+            await self.repository.finished_delete(sid)
 
-    async def _purge(self, sid: str) -> None:
-        """A deleted session leaves this replica and Redis (its KV keys; the record is a tombstone)."""
-        await self.engine.purge(sid)
+    async def _purge(self, sid: str) -> bool:
+        """A deleted session leaves this replica and Redis (its KV keys; the record is a tombstone).
+        False when Redis failed to remove its keys (the delete's log has any replica try again)."""
+        removed = await self.engine.purge(sid)
         self.access.forget(sid)
         if self.repository is not None:
             self.repository.forget(sid)
+        return removed
 
     async def cancel_turn(self, sid: str, token: str | None, owner: str | None = None) -> bool:
         session = self.engine.sessions.get(sid) if isinstance(sid, str) else None

@@ -66,16 +66,20 @@ class SessionRepository:
         """Redis has this session's latest state (so it may leave memory)."""
         return bool(self._versions.get(sid)) and sid not in self._unsaved
 
-    async def save(self, session: Session, digest: str, quiet: bool = False) -> None:
-        """Write the session's KV, then its record as the next version; on failure keep it in ``unsaved``."""
+    async def save(self, session: Session, digest: str, quiet: bool = False) -> str | None:
+        """Write the session's KV, then its record as the next version: ``SAVED``; ``MOVED`` or ``DELETED``
+        when this copy is stale (it must not serve again); None when nothing was written (Redis
+        unreachable: kept in ``unsaved``; or a turn started meanwhile, whose end saves)."""
         if session.busy:
-            return  # a turn started meanwhile: its end saves both together
+            return None  # a turn started meanwhile: its end saves both together
         async with self._save_locks.setdefault(session.id, asyncio.Lock()):
             if session.busy:
-                return  # a turn started while this waited for the lock (its cache may be mid-prefill)
+                return None  # a turn started while this waited for the lock (its cache may be mid-prefill)
             expected = self._versions.get(session.id)
-            if expected == -1 or session.id in self.deleted:
-                return  # this copy must not serve again, nor write
+            if session.id in self.deleted:
+                return DELETED
+            if expected == -1:
+                return MOVED  # this copy must not serve again, nor write
             kv = await self.engine.persist(session.id)
             data, summ = record(session, digest, kv), summary(session, self.replica)
             try:
@@ -90,7 +94,7 @@ class SessionRepository:
                 if not quiet:
                     log.warning("could not save session %s (%s: %s); kept in memory, retried", session.id,
                                 type(exc).__name__, exc)
-                return
+                return None
             await self.engine.kv_settled(session.id, kv, committed=outcome == SAVED)
             self._unsaved.discard(session.id)
             if outcome == SAVED:
@@ -108,6 +112,7 @@ class SessionRepository:
                 # Another replica saved a newer state: this copy must not serve again.
                 log.warning("session %s moved on elsewhere; dropping the local copy", session.id)
                 self._versions[session.id] = -1
+            return outcome
 
     async def save_unsaved(self, digest_of: Callable[[str], str | None]) -> None:
         for sid in list(self._unsaved):
@@ -117,6 +122,34 @@ class SessionRepository:
                 self._unsaved.discard(sid)
             elif not session.busy:  # a busy one is saved at the end of its turn anyway
                 await self.save(session, digest, quiet=True)
+
+    async def refresh(self) -> tuple[list[str], list[str]]:
+        """Compare the sessions held here with their records (one pipelined read): (those another replica
+        saved since, those deleted). Housekeeping drops both, so that a stale copy is gone before Redis
+        might become unreachable and it would be the best there is."""
+        sids = [sid for sid, version in self._versions.items() if version is not None]
+        try:
+            stored = await self.store.versions(sids)
+        except Exception:  # Redis unreachable: nothing learnt
+            return [], []
+        stale, deleted = [], []
+        for sid, version in zip(sids, stored):
+            if version == TOMBSTONE:
+                deleted.append(sid)
+            elif version is not None and version > self._versions.get(sid, version):
+                stale.append(sid)
+        self.deleted.update(deleted)
+        return stale, deleted
+
+    async def unfinished_deletes(self, older_than_s: float) -> list[str]:
+        try:
+            return await self.store.unfinished_deletes(older_than_s)
+        except Exception:  # Redis unreachable: finished later
+            return []
+
+    async def finished_delete(self, sid: str) -> None:
+        with contextlib.suppress(Exception):  # left in the log: finished again later, harmlessly
+            await self.store.deleted(sid)
 
     async def is_stale(self, session: Session) -> bool:
         """Whether another replica saved a newer state of this session since this copy was saved."""

@@ -80,6 +80,11 @@ class SessionStore:
     def _index(self) -> str:
         return f"{self.ns}:sessions"
 
+    @property
+    def _deleting(self) -> str:
+        """Sessions deleted whose KV keys may remain (a replica died mid-delete): id -> time of the delete."""
+        return f"{self.ns}:deleting"
+
     def _replica_key(self, replica: str) -> str:
         return f"{self.ns}:replica:{replica}"
 
@@ -114,9 +119,37 @@ class SessionStore:
         return None if value is None else int(value)
 
     async def delete(self, session_id: str) -> None:
-        """Leave a tombstone in place of the record (for one TTL) and drop it from the listing."""
+        """Leave a tombstone in place of the record (for one TTL), drop it from the listing, and log it
+        as deleting until its KV keys are gone (``deleted``), so that any replica finishes a delete
+        whose replica died half way."""
         await self.client.call(self._tombstone(keys=[self.key(session_id)], args=[str(self.ttl_s)]))
         await self.client.call(self._redis.zrem(self._index, session_id))
+        await self.client.call(self._redis.zadd(self._deleting, {session_id: time.time()}))
+
+    async def deleted(self, session_id: str) -> None:
+        """A delete's KV keys are gone: it leaves the log."""
+        await self.client.call(self._redis.zrem(self._deleting, session_id))
+
+    async def unfinished_deletes(self, older_than_s: float, limit: int = 16) -> list[str]:
+        """Deletes logged more than ``older_than_s`` ago whose KV keys may remain."""
+        ids = await self.client.call(self._redis.zrangebyscore(
+            self._deleting, "-inf", time.time() - older_than_s, start=0, num=limit))
+        return [i.decode() for i in ids]
+
+    async def versions(self, session_ids: list[str]) -> list[int | None]:
+        """``version`` of many sessions in one pipelined request (None: no record; ``TOMBSTONE``)."""
+        if not session_ids:
+            return []
+
+        async def op():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for sid in session_ids:
+                    pipe.hmget(self.key(sid), "version", "deleted")
+                return await pipe.execute()
+
+        replies = await self.client.call(op())
+        return [TOMBSTONE if deleted is not None else None if version is None else int(version)
+                for version, deleted in replies]
 
     async def summaries(self, limit: int = 1000, owner: str | None = None) -> list[dict[str, Any]]:
         """``owner``'s sessions among the ``limit`` most recently saved, newest first; index entries

@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from app.contract.errors import ChatError, HistoryMismatch, InvalidRequest
+from app.contract.errors import ChatError, HistoryMismatch, InvalidRequest, SessionMoved, SessionNotFound
 from app.contract.events import (
     Delta,
     Done,
@@ -35,6 +35,7 @@ from app.engine.events import TextDelta, TurnDone, TurnStatus
 from app.engine.session import Session
 from app.session_map import map_summary
 from app.session_restore import checked_sampling, is_unicode
+from app.session_store import DELETED, MOVED
 
 log = logging.getLogger(__name__)
 KEY_MAX = 128  # longer keys are refused: they are stored with every record
@@ -125,7 +126,7 @@ class Turns:
         engine: Engine,
         replica: str,
         session_of: Callable[[str, str | None, str | None], Awaitable[tuple[Session, bool]]],
-        persist: Callable[[Session], Awaitable[None]],
+        persist: Callable[[Session], Awaitable[str | None]],
         spawn: Callable[[Awaitable[None]], None],
     ):
         self.engine = engine
@@ -195,7 +196,13 @@ class Turns:
                 self.spawn(self._close_and_keep(stream, session, turn_key, release))
                 raise
             keep(session, turn_key, self.replica)
-            await self.persist(session)
+            outcome = await self.persist(session)
+            if outcome in (MOVED, DELETED):
+                # Its record moved on (or went) while this copy ran the turn: the turn is not in the
+                # record, so it is not acknowledged; sent again, it runs on the current state.
+                yield TurnFailed.of(SessionNotFound(f"no session {sid!r}") if outcome == DELETED else SessionMoved(
+                    "the session moved on on another replica; this turn was not kept: send it again"))
+                return
             yield self._done(session, event)
         finally:
             if not handed_over:

@@ -105,6 +105,13 @@ class SessionBusy(ChatError):
     code = "session_busy"
 
 
+class SessionMoved(ChatError):
+    """The turn ran on a copy of the session that another replica had moved on from (or that was
+    deleted) meanwhile: it was not kept; sent again, it runs on the current state."""
+
+    code = "session_moved"
+
+
 class TooManySessions(ChatError):
     code = "too_many_sessions"
 

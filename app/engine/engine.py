@@ -172,8 +172,9 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
             raise SessionBusy("the session is generating; cancel it first")
         await self.purge(session_id)
 
-    async def purge(self, session_id: str) -> None:
-        """``delete_session`` of a session whether or not this engine holds it (deleted elsewhere)."""
+    async def purge(self, session_id: str) -> bool:
+        """``delete_session`` of a session whether or not this engine holds it (deleted elsewhere).
+        False when Redis failed to remove its keys."""
         session = self._sessions.pop(session_id, None)
         self.memory_account.forget(session_id)
 
@@ -183,8 +184,7 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
                 session.cache.release()
 
         await self.batcher.run(let_go)
-        if self.redis is not None:
-            await asyncio.to_thread(self.redis.delete_session, session_id)
+        return self.redis is None or await asyncio.to_thread(self.redis.delete_session, session_id)
 
     async def kv_settled(self, session_id: str, kv: dict | None, committed: bool) -> None:
         """The record that names the KV generation ``kv`` committed (older generations are collected) or

@@ -119,3 +119,28 @@ async def test_a_copy_of_a_session_deleted_elsewhere_never_serves_again(make_eng
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_delete_whose_replica_died_half_way_is_finished_by_another(make_engine, redis_server, monkeypatch):
+    import app.chat_service as chat_service
+
+    ns = f"rkvdel-{secrets.token_hex(3)}"
+    a, b = (replica(make_engine, redis_server.url, ns, name) for name in ("a", "b"))
+    try:
+        sid, token = await new_session(a)
+        assert len(keys_left(redis_server, ns)) > 2  # record, manifest and KV
+
+        async def dies_after_the_tombstone(session_id):  # a kill -9 between the tombstone and the keys
+            raise asyncio.CancelledError
+
+        monkeypatch.setattr(a.engine, "purge", dies_after_the_tombstone)
+        with pytest.raises(asyncio.CancelledError):
+            await a.delete_session(sid, token)
+        assert len(keys_left(redis_server, ns)) > 1 and await a.store.unfinished_deletes(0) == [sid]
+        monkeypatch.setattr(chat_service, "DELETE_GRACE_S", 0.0)
+        await b._finish_deletes()
+        assert keys_left(redis_server, ns) == {session_key(ns, sid)}  # the tombstone alone
+        assert await a.store.unfinished_deletes(0) == []
+    finally:
+        await a.close()
+        await b.close()

@@ -1,0 +1,72 @@
+"""A replica holding a copy of a session that another replica moved on from lets go of it while Redis
+can tell, and a turn that ran on such a copy (the race the per-request check cannot close) is not
+acknowledged: it answers ``session_moved`` and, sent again, runs once on the current state. Real
+model, real (private) Redis."""
+from __future__ import annotations
+
+import secrets
+
+import pytest
+from serving_helpers import RedisServer
+
+from app.chat_service import ChatService
+from app.contract.events import Done, TurnFailed
+from app.contract.ids import new_session_id
+from app.session_store import SessionStore
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    with RedisServer(tmp_path) as server:
+        yield server
+
+
+def replica(make_engine, url: str, ns: str, name: str) -> ChatService:
+    engine = make_engine(mode="tiered", token_budget=32, redis_url=url, redis_namespace=ns, page_tokens=8)
+    return ChatService(engine, name, SessionStore(engine.redis.client, ns))
+
+
+async def events_of(service: ChatService, sid: str, token: str, text: str, key: str | None = None) -> list:
+    return [e async for e in service.chat(sid, token, text, {"max_tokens": 4}, turn_key=key)]
+
+
+async def test_housekeeping_lets_go_of_a_copy_another_replica_moved_on_from(make_engine, redis_server):
+    ns = f"rkvstale-{secrets.token_hex(3)}"
+    a, b = (replica(make_engine, redis_server.url, ns, name) for name in ("a", "b"))
+    try:
+        sid = new_session_id()
+        token = (await a.create_session(sid, mode="tiered"))["token"]
+        assert isinstance((await events_of(a, sid, token, "Hello there."))[-1], Done)
+        assert isinstance((await events_of(b, sid, token, "And again."))[-1], Done)  # b moved it on
+        await a._drop_stale()
+        assert sid not in a.engine.sessions and sid in b.engine.sessions
+        await b._drop_stale()  # the holder of the latest version keeps it
+        assert sid in b.engine.sessions
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_turn_on_a_copy_that_moved_on_meanwhile_is_not_acknowledged(make_engine, redis_server, monkeypatch):
+    ns = f"rkvstale-{secrets.token_hex(3)}"
+    a, b = (replica(make_engine, redis_server.url, ns, name) for name in ("a", "b"))
+    try:
+        sid = new_session_id()
+        token = (await a.create_session(sid, mode="tiered"))["token"]
+        assert isinstance((await events_of(a, sid, token, "Hello there."))[-1], Done)
+        assert isinstance((await events_of(b, sid, token, "And again."))[-1], Done)
+
+        async def not_yet(session):  # b's save lands after a's check: the race a check cannot close
+            return False
+
+        with monkeypatch.context() as m:
+            m.setattr(a.repository, "is_stale", not_yet)
+            failed = (await events_of(a, sid, token, "A third.", key="k3"))[-1]
+        assert isinstance(failed, TurnFailed) and failed.code == "session_moved"
+        done = (await events_of(a, sid, token, "A third.", key="k3"))[-1]  # sent again: restored, runs
+        assert isinstance(done, Done)
+        users = [m["content"] for m in (await b.get_session(sid, token))["messages"] if m["role"] == "user"]
+        assert users == ["Hello there.", "And again.", "A third."]  # once, after b's turn
+    finally:
+        await a.close()
+        await b.close()
