@@ -80,3 +80,12 @@ def make_engine(loaded):
     yield make
     for engine in engines:
         engine.close()
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A private ``redis-server`` (AOF on) for tests that stop it, or that account for every key it holds."""
+    from serving_helpers import RedisServer
+
+    with RedisServer(tmp_path) as server:
+        yield server

@@ -8,31 +8,23 @@ import secrets
 import time
 
 import pytest
+
+from replica_helpers import events_of, replica
 from serving_helpers import RedisServer
 
 from app.chat_service import ChatService
 from app.contract.errors import SessionNotFound
 from app.contract.events import Done
 from app.contract.ids import new_session_id
-from app.session_store import TOMBSTONE, SessionStore
+from app.session_store import TOMBSTONE
 from tiers.keys import session_key, session_pattern
 
 LONG = "The lighthouse keeper wrote about the storm, the gulls and the ships that passed by. " * 6
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    with RedisServer(tmp_path) as server:
-        yield server
-
-
-def replica(make_engine, url: str, ns: str, name: str) -> ChatService:
-    engine = make_engine(mode="tiered", token_budget=32, redis_url=url, redis_namespace=ns, page_tokens=8)
-    return ChatService(engine, name, SessionStore(engine.redis.client, ns))
-
 
 async def turn(service: ChatService, sid: str, token: str, text: str) -> Done:
-    events = [e async for e in service.chat(sid, token, text, {"max_tokens": 4})]
+    events = await events_of(service, sid, token, text)
     assert isinstance(events[-1], Done), events[-1]
     return events[-1]
 
@@ -57,9 +49,9 @@ def assert_deleted(service: ChatService, server: RedisServer, ns: str, sid: str)
     assert sid not in service.engine.sessions
 
 
-async def test_a_save_in_flight_when_the_session_is_deleted_does_not_bring_it_back(make_engine, redis_server):
+async def test_a_save_in_flight_when_the_session_is_deleted_does_not_bring_it_back(make_engine, private_redis):
     ns = f"rkvdel-{secrets.token_hex(3)}"
-    service = replica(make_engine, redis_server.url, ns, "a")
+    service = replica(make_engine, private_redis.url, ns, "a")
     try:
         sid, token = await new_session(service)
         session = service.engine.sessions[sid]
@@ -78,16 +70,16 @@ async def test_a_save_in_flight_when_the_session_is_deleted_does_not_bring_it_ba
         go.set()
         await saving
         assert await store.version(sid) == TOMBSTONE and await store.load(sid) is None
-        assert_deleted(service, redis_server, ns, sid)
+        assert_deleted(service, private_redis, ns, sid)
         with pytest.raises(SessionNotFound):
             await service.resume_session(sid, token)
     finally:
         await service.close()
 
 
-async def test_a_delete_waits_for_the_jobs_of_its_cache_on_the_model_thread(make_engine, redis_server):
+async def test_a_delete_waits_for_the_jobs_of_its_cache_on_the_model_thread(make_engine, private_redis):
     ns = f"rkvdel-{secrets.token_hex(3)}"
-    service = replica(make_engine, redis_server.url, ns, "a")
+    service = replica(make_engine, private_redis.url, ns, "a")
     try:
         sid, token = await new_session(service)
         cache = service.engine.sessions[sid].cache
@@ -99,14 +91,14 @@ async def test_a_delete_waits_for_the_jobs_of_its_cache_on_the_model_thread(make
         job = service.engine.batcher.submit(late_persist)
         await service.delete_session(sid, token)
         assert job.done() and job.result() is not None  # it ran first, and wrote to Redis
-        assert_deleted(service, redis_server, ns, sid)
+        assert_deleted(service, private_redis, ns, sid)
     finally:
         await service.close()
 
 
-async def test_a_copy_of_a_session_deleted_elsewhere_never_serves_again(make_engine, redis_server):
+async def test_a_copy_of_a_session_deleted_elsewhere_never_serves_again(make_engine, private_redis):
     ns = f"rkvdel-{secrets.token_hex(3)}"
-    a, b = (replica(make_engine, redis_server.url, ns, name) for name in ("a", "b"))
+    a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
     try:
         sid, token = await new_session(a)
         await b.delete_session(sid, token)  # b restores it from its record, then deletes it
@@ -115,20 +107,20 @@ async def test_a_copy_of_a_session_deleted_elsewhere_never_serves_again(make_eng
         failed = [e async for e in a.chat(sid, token, "Still there?", {"max_tokens": 4})]
         assert getattr(failed[-1], "code", None) == "session_not_found"
         for service in (a, b):
-            assert_deleted(service, redis_server, ns, sid)
+            assert_deleted(service, private_redis, ns, sid)
     finally:
         await a.close()
         await b.close()
 
 
-async def test_a_delete_whose_replica_died_half_way_is_finished_by_another(make_engine, redis_server, monkeypatch):
+async def test_a_delete_whose_replica_died_half_way_is_finished_by_another(make_engine, private_redis, monkeypatch):
     import app.chat_service as chat_service
 
     ns = f"rkvdel-{secrets.token_hex(3)}"
-    a, b = (replica(make_engine, redis_server.url, ns, name) for name in ("a", "b"))
+    a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
     try:
         sid, token = await new_session(a)
-        assert len(keys_left(redis_server, ns)) > 2  # record, manifest and KV
+        assert len(keys_left(private_redis, ns)) > 2  # record, manifest and KV
 
         async def dies_after_the_tombstone(session_id):  # a kill -9 between the tombstone and the keys
             raise asyncio.CancelledError
@@ -136,10 +128,10 @@ async def test_a_delete_whose_replica_died_half_way_is_finished_by_another(make_
         monkeypatch.setattr(a.engine, "purge", dies_after_the_tombstone)
         with pytest.raises(asyncio.CancelledError):
             await a.delete_session(sid, token)
-        assert len(keys_left(redis_server, ns)) > 1 and await a.store.unfinished_deletes(0) == [sid]
+        assert len(keys_left(private_redis, ns)) > 1 and await a.store.unfinished_deletes(0) == [sid]
         monkeypatch.setattr(chat_service, "DELETE_GRACE_S", 0.0)
         await b._finish_deletes()
-        assert keys_left(redis_server, ns) == {session_key(ns, sid)}  # the tombstone alone
+        assert keys_left(private_redis, ns) == {session_key(ns, sid)}  # the tombstone alone
         assert await a.store.unfinished_deletes(0) == []
     finally:
         await a.close()

@@ -6,38 +6,26 @@ from __future__ import annotations
 
 import secrets
 
-import pytest
-from serving_helpers import RedisServer
+from replica_helpers import events_of, replica
 
-from app.chat_service import ChatService
 from app.contract.events import Done, TurnFailed
 from app.contract.ids import new_session_id
-from app.session_store import SessionStore
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    with RedisServer(tmp_path) as server:
-        yield server
+async def moved_on(a, b) -> tuple[str, str]:
+    """A session made and taken a turn in on ``a``, then a turn on ``b``, which moves it on."""
+    sid = new_session_id()
+    token = (await a.create_session(sid, mode="tiered"))["token"]
+    assert isinstance((await events_of(a, sid, token, "Hello there."))[-1], Done)
+    assert isinstance((await events_of(b, sid, token, "And again."))[-1], Done)
+    return sid, token
 
 
-def replica(make_engine, url: str, ns: str, name: str) -> ChatService:
-    engine = make_engine(mode="tiered", token_budget=32, redis_url=url, redis_namespace=ns, page_tokens=8)
-    return ChatService(engine, name, SessionStore(engine.redis.client, ns))
-
-
-async def events_of(service: ChatService, sid: str, token: str, text: str, key: str | None = None) -> list:
-    return [e async for e in service.chat(sid, token, text, {"max_tokens": 4}, turn_key=key)]
-
-
-async def test_housekeeping_lets_go_of_a_copy_another_replica_moved_on_from(make_engine, redis_server):
+async def test_housekeeping_lets_go_of_a_copy_another_replica_moved_on_from(make_engine, private_redis):
     ns = f"rkvstale-{secrets.token_hex(3)}"
-    a, b = (replica(make_engine, redis_server.url, ns, name) for name in ("a", "b"))
+    a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
     try:
-        sid = new_session_id()
-        token = (await a.create_session(sid, mode="tiered"))["token"]
-        assert isinstance((await events_of(a, sid, token, "Hello there."))[-1], Done)
-        assert isinstance((await events_of(b, sid, token, "And again."))[-1], Done)  # b moved it on
+        sid, token = await moved_on(a, b)
         await a._drop_stale()
         assert sid not in a.engine.sessions and sid in b.engine.sessions
         await b._drop_stale()  # the holder of the latest version keeps it
@@ -47,14 +35,11 @@ async def test_housekeeping_lets_go_of_a_copy_another_replica_moved_on_from(make
         await b.close()
 
 
-async def test_a_turn_on_a_copy_that_moved_on_meanwhile_is_not_acknowledged(make_engine, redis_server, monkeypatch):
+async def test_a_turn_on_a_copy_that_moved_on_meanwhile_is_not_acknowledged(make_engine, private_redis, monkeypatch):
     ns = f"rkvstale-{secrets.token_hex(3)}"
-    a, b = (replica(make_engine, redis_server.url, ns, name) for name in ("a", "b"))
+    a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
     try:
-        sid = new_session_id()
-        token = (await a.create_session(sid, mode="tiered"))["token"]
-        assert isinstance((await events_of(a, sid, token, "Hello there."))[-1], Done)
-        assert isinstance((await events_of(b, sid, token, "And again."))[-1], Done)
+        sid, token = await moved_on(a, b)
 
         async def not_yet(session):  # b's save lands after a's check: the race a check cannot close
             return False

@@ -49,11 +49,6 @@ class Process:
         return cache if cache.restore(json.loads(json.dumps(ref))) else None
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    with RedisServer(tmp_path) as server:
-        yield server
-
 
 @pytest.fixture
 def ns():
@@ -97,14 +92,24 @@ def named_keys(server: RedisServer, ns: str, ref: dict) -> set[str]:
     return {kv_key(ns, SID, n) for n in names} | {manifest_key(ns, SID)}
 
 
-def test_a_save_that_lost_its_cas_leaves_the_winner_restorable_and_nothing_of_its_own(redis_server, ns):
-    a = Process(redis_server.url, ns)
+def committed_once(server: RedisServer, ns: str, ttl_s: int = 600):
+    """A process whose cache took a long first turn and committed it: (process, cache, its reference)."""
+    a = Process(server.url, ns, ttl_s)
+    cache = a.cache()
+    turn(cache, 1, n_new=120)
+    ref = cache.persist()
+    a.context().kv.committed(ref)
+    return a, cache, ref
+
+
+def test_a_save_that_lost_its_cas_leaves_the_winner_restorable_and_nothing_of_its_own(private_redis, ns):
+    a = Process(private_redis.url, ns)
     first = a.cache()
     turn(first, 1, n_new=120)
     v1 = first.persist()
     a.context().kv.committed(v1)
     # Another replica takes the session over from v1 and commits v2.
-    b = Process(redis_server.url, ns)
+    b = Process(private_redis.url, ns)
     taken = b.restored(v1)
     assert taken is not None and same(state(taken), state(first))
     turn(taken, 2)
@@ -116,32 +121,28 @@ def test_a_save_that_lost_its_cas_leaves_the_winner_restorable_and_nothing_of_it
     v3 = first.persist()
     assert v3["gen"] != v2["gen"]
     a.context().kv.abandoned(v3)
-    restored = Process(redis_server.url, ns).restored(v2)
+    restored = Process(private_redis.url, ns).restored(v2)
     assert restored is not None and same(state(restored), winner)  # the winner's KV, not a mix
-    assert Process(redis_server.url, ns).restored(v3) is None  # the loser's generation is gone
+    assert Process(private_redis.url, ns).restored(v3) is None  # the loser's generation is gone
     a.host.drop_session(SID)  # the stale copy leaves: what only it wrote goes with it
-    assert stored_keys(redis_server, ns) == named_keys(redis_server, ns, v2)
+    assert stored_keys(private_redis, ns) == named_keys(private_redis, ns, v2)
 
 
-def test_a_record_write_that_failed_after_persist_keeps_the_committed_state(redis_server, ns):
-    a = Process(redis_server.url, ns)
-    cache = a.cache()
-    turn(cache, 1, n_new=120)
-    v1 = cache.persist()
-    a.context().kv.committed(v1)
+def test_a_record_write_that_failed_after_persist_keeps_the_committed_state(private_redis, ns):
+    a, cache, v1 = committed_once(private_redis, ns)
     at_v1 = state(cache)
     turn(cache, 2)
     lost = cache.persist()
     a.context().kv.abandoned(lost)  # the record write failed: v1 is still the record
-    elsewhere = Process(redis_server.url, ns).restored(v1)
+    elsewhere = Process(private_redis.url, ns).restored(v1)
     assert elsewhere is not None and same(state(elsewhere), at_v1)
     # The next save (the record retried) commits; then exactly that generation is left.
     turn(cache, 3)
     v2 = cache.persist()
     a.context().kv.committed(v2)
-    again = Process(redis_server.url, ns).restored(v2)
+    again = Process(private_redis.url, ns).restored(v2)
     assert again is not None and same(state(again), state(cache))
-    assert stored_keys(redis_server, ns) == named_keys(redis_server, ns, v2)
+    assert stored_keys(private_redis, ns) == named_keys(private_redis, ns, v2)
 
 
 def tables_in(server: RedisServer, ns: str) -> set[str]:
@@ -149,12 +150,8 @@ def tables_in(server: RedisServer, ns: str) -> set[str]:
 
 
 @pytest.mark.parametrize("fail_at", range(SPEC.num_layers + 1))  # each layer's pages, then the tables
-def test_a_persist_that_fails_half_way_removes_its_generation(redis_server, ns, monkeypatch, fail_at):
-    a = Process(redis_server.url, ns)
-    cache = a.cache()
-    turn(cache, 1, n_new=120)
-    v1 = cache.persist()
-    a.context().kv.committed(v1)
+def test_a_persist_that_fails_half_way_removes_its_generation(private_redis, ns, monkeypatch, fail_at):
+    a, cache, v1 = committed_once(private_redis, ns)
     at_v1 = state(cache)
     turn(cache, 2, n_new=60)  # new cold pages in every layer
     original, calls = RedisTier.put_pages, []
@@ -166,40 +163,32 @@ def test_a_persist_that_fails_half_way_removes_its_generation(redis_server, ns, 
     monkeypatch.setattr(RedisTier, "put_pages", failing)
     assert cache.persist() is None and len(calls) == fail_at + 1
     monkeypatch.setattr(RedisTier, "put_pages", original)
-    assert tables_in(redis_server, ns) == set(table_names(v1["gen"], v1["layers"]))  # no part of a second one
-    elsewhere = Process(redis_server.url, ns).restored(v1)
+    assert tables_in(private_redis, ns) == set(table_names(v1["gen"], v1["layers"]))  # no part of a second one
+    elsewhere = Process(private_redis.url, ns).restored(v1)
     assert elsewhere is not None and same(state(elsewhere), at_v1)
     # The next persist writes whole, and its commit leaves exactly its generation.
     v2 = cache.persist()
     a.context().kv.committed(v2)
-    assert stored_keys(redis_server, ns) == named_keys(redis_server, ns, v2)
+    assert stored_keys(private_redis, ns) == named_keys(private_redis, ns, v2)
 
 
-def test_a_page_table_that_does_not_match_its_record_is_refused_whole(redis_server, ns):
-    a = Process(redis_server.url, ns)
-    cache = a.cache()
-    turn(cache, 1, n_new=120)
-    v1 = cache.persist()
-    a.context().kv.committed(v1)
-    assert Process(redis_server.url, ns).restored({**v1, "history_len": v1["history_len"] + 1}) is None
-    assert Process(redis_server.url, ns).restored({**v1, "layers": v1["layers"] - 1}) is None
-    assert Process(redis_server.url, ns).restored({**v1, "gen": "../x"}) is None
+def test_a_page_table_that_does_not_match_its_record_is_refused_whole(private_redis, ns):
+    a, cache, v1 = committed_once(private_redis, ns)
+    assert Process(private_redis.url, ns).restored({**v1, "history_len": v1["history_len"] + 1}) is None
+    assert Process(private_redis.url, ns).restored({**v1, "layers": v1["layers"] - 1}) is None
+    assert Process(private_redis.url, ns).restored({**v1, "gen": "../x"}) is None
     # A page of the generation gone: refused, and the refusing process took nothing on.
-    client = redis_server.client()
+    client = private_redis.client()
     page = next(n.decode() for n in client.smembers(manifest_key(ns, SID)) if n.decode().startswith("l"))
     client.delete(kv_key(ns, SID, page))
-    other = Process(redis_server.url, ns)
+    other = Process(private_redis.url, ns)
     assert other.restored(v1) is None
     assert other.host.kept(SID) == (set(), {})
 
 
-def test_a_session_whose_record_outlives_one_ttl_restores_its_kv(redis_server, ns):
+def test_a_session_whose_record_outlives_one_ttl_restores_its_kv(private_redis, ns):
     """A 4 s record TTL (KV: 5 s): saves every ~1.2 s for 7 s keep pages written at the start alive."""
-    a = Process(redis_server.url, ns, ttl_s=4)
-    cache = a.cache()
-    turn(cache, 1, n_new=120)
-    ref = cache.persist()
-    a.context().kv.committed(ref)
+    a, cache, ref = committed_once(private_redis, ns, ttl_s=4)
     first_pages = set(page_names(0, cache.prefill.cold[0].index_tensors()))
     start = time.monotonic()
     seed = 2
@@ -210,7 +199,7 @@ def test_a_session_whose_record_outlives_one_ttl_restores_its_kv(redis_server, n
         ref = cache.persist()
         a.context().kv.committed(ref)
     assert first_pages & set(page_names(0, cache.prefill.cold[0].index_tensors())), "pages from the start are kept"
-    restored = Process(redis_server.url, ns, ttl_s=4).restored(ref)
+    restored = Process(private_redis.url, ns, ttl_s=4).restored(ref)
     assert restored is not None and same(state(restored), state(cache))
-    client = redis_server.client()
-    assert all(0 < client.ttl(k) <= 5 for k in stored_keys(redis_server, ns))
+    client = private_redis.client()
+    assert all(0 < client.ttl(k) <= 5 for k in stored_keys(private_redis, ns))

@@ -1,0 +1,16 @@
+"""Replicas in one process for service tests: each a ``ChatService`` on an engine of its own (the real
+small model, ``tiered``), sharing one Redis namespace, as replicas of one deployment do."""
+from __future__ import annotations
+
+from app.chat_service import ChatService
+from app.session_store import SessionStore
+
+
+def replica(make_engine, url: str, ns: str, name: str) -> ChatService:
+    engine = make_engine(mode="tiered", token_budget=32, redis_url=url, redis_namespace=ns, page_tokens=8)
+    return ChatService(engine, name, SessionStore(engine.redis.client, ns))
+
+
+async def events_of(service: ChatService, sid: str, token: str, text: str, key: str | None = None) -> list:
+    """Every event of one turn (``max_tokens`` 4)."""
+    return [e async for e in service.chat(sid, token, text, {"max_tokens": 4}, turn_key=key)]
