@@ -45,8 +45,8 @@ def replica_totals(engine: Engine, replica: str) -> dict[str, Any]:
             totals[key] += int(getattr(tier_stats, key, 0) or 0)
         for key in ("bytes_read", "bytes_written"):
             totals[f"{name}_{key}"] = int(getattr(tier_stats, key, 0) or 0)
-    breaker = getattr(getattr(tiers["redis"], "client", None), "breaker", None)
-    circuit = breaker.as_dict() if breaker is not None else {}
+    circuit_of = getattr(getattr(tiers["redis"], "client", None), "circuit", None)
+    circuit = circuit_of() if circuit_of is not None else {}  # every circuit's (one per shard on a cluster)
     busy = sum(1 for s in sessions if s.busy)
     # Device budget, peak, parks and refusals, host-tier bound and refusals, batching figures (Engine.stats).
     return {"replica": replica, "sessions": len(sessions), "busy": busy, **totals, **circuit, **engine.stats()}

@@ -134,6 +134,8 @@ class SessionRepository:
             return [], []
         stale, deleted = [], []
         for sid, version in zip(sids, stored):
+            if isinstance(version, BaseException):  # its shard does not answer: nothing learnt
+                continue
             if version == TOMBSTONE:
                 deleted.append(sid)
             elif version is not None and version > self._versions.get(sid, version):

@@ -7,8 +7,10 @@ scan of the keyspace. The keys outlive the record that names them by a quarter o
 (``tiers.session_kv``), so KV never expires before the record naming it does.
 
 The tier speaks through the process's one ``RedisClient``, blocking its caller (the model thread, the
-page reader, the host tier's spills) for each call, with a timeout and behind the client's circuit
-breaker. Failures are counted and reported (``healthy``/``last_error``); they are never raised into a
+page reader, the host tier's spills) for each call, with a timeout and behind the circuit breaker of
+the session's shard (on a Redis Cluster; the client's on one Redis). Every call touches one session's
+keys, in one slot: its pipelines (``transaction=False``, the form a cluster pipeline takes) go to one
+shard in one round trip. Failures are counted and reported (``healthy``/``last_error``); they are never raised into a
 chat turn.
 
 What this process wrote is counted per session (bytes and keys, for ``session_bytes`` and the tier's
@@ -86,9 +88,10 @@ class RedisTier:
     def last_error(self) -> str | None:
         return self.client.last_error
 
-    def unavailable(self) -> bool:
-        """Whether a call now would fail at once (the client's circuit is open, no probe due)."""
-        return self.client.unavailable()
+    def unavailable(self, session_id: str | None = None) -> bool:
+        """Whether a call on the session's keys now would fail at once (its circuit is open, no probe due);
+        no session: whether every call would (``RedisClient.unavailable``)."""
+        return self.client.unavailable(None if session_id is None else self.manifest_key(session_id))
 
     # --- keys --------------------------------------------------------------------------------
     def chunk_key(self, session_id: str, chunk_id: str) -> str:
@@ -98,10 +101,11 @@ class RedisTier:
         return manifest_key(self.ns, session_id)
 
     # --- plumbing ----------------------------------------------------------------------------
-    def _run(self, coro: Coroutine[Any, Any, Any], default=None):
-        """Run on the client's loop and wait; on failure count it and return ``default``."""
+    def _run(self, session_id: str, coro: Coroutine[Any, Any, Any], default=None):
+        """Run on the client's loop (through the circuit of the session's shard) and wait; on failure
+        count it and return ``default``."""
         try:
-            return self.client.run(coro)
+            return self.client.run(coro, key=self.manifest_key(session_id))
         except RedisUnavailable:  # refused at once: the failure that opened the circuit was logged
             self._count_error()
             return default
@@ -135,7 +139,7 @@ class RedisTier:
                 await pipe.execute()
             return True
 
-        if not self._run(op(), default=False):
+        if not self._run(session_id, op(), default=False):
             return False
         self._account_write(session_id, {pid: len(data) for pid, (_, data) in zip(pages, encoded.values())})
         return True
@@ -153,7 +157,7 @@ class RedisTier:
                     pipe.expire(key, self.kv_ttl_s)
                 return (await pipe.execute())[::2]
 
-        replies = self._run(op(), default=None) or [(None, None)] * len(keys)
+        replies = self._run(session_id, op(), default=None) or [(None, None)] * len(keys)
         out: list[PageBatch | None] = [None if header is None else decode_tensors(header, data)[0]
                                        for header, data in replies]
         found = [len(data) for header, data in replies if header is not None]
@@ -178,7 +182,7 @@ class RedisTier:
                     pipe.expire(key, self.kv_ttl_s)
                 return [bool(r) for r in await pipe.execute()]
 
-        return self._run(op(), default=None)
+        return self._run(session_id, op(), default=None)
 
     def has_pages(self, session_id: str, page_ids: list[str]) -> bool:
         """Whether Redis holds every one of these pages (their TTLs renewed; False if Redis is down)."""
@@ -226,7 +230,7 @@ class RedisTier:
                 await pipe.execute()
             return True
 
-        if self._run(op(), default=None) is None:
+        if self._run(session_id, op(), default=None) is None:
             return
         self._account_delete(session_id, page_ids)
 
@@ -236,7 +240,7 @@ class RedisTier:
         async def op():
             return {m.decode() for m in await self._client.smembers(self.manifest_key(session_id))}
 
-        return self._run(op(), default=None)
+        return self._run(session_id, op(), default=None)
 
     def delete_session(self, session_id: str, rounds: int = 4) -> bool:
         """Remove every KV key of the session, by its manifest: exactly the keys written for it, no
@@ -258,7 +262,7 @@ class RedisTier:
                     await pipe.execute()
             return not await self._client.exists(manifest)
 
-        done = bool(self._run(op(), default=False))
+        done = bool(self._run(session_id, op(), default=False))
         self._account_delete(session_id)
         return done
 

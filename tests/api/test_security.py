@@ -172,8 +172,8 @@ async def test_every_redis_key_is_in_the_namespace(loaded, tmp_path):
                 info = await chat.create(mode="tiered", budget=16)
                 await turn_until_done(chat, "Tell me about the history of the printing press in Europe. " * 4)
                 await turn_until_done(chat, "And in Asia?")
-            for _ in range(50):  # the replica's stats key is written by housekeeping, once a second
-                if redis_server.client().exists(f"{namespace}:replica:test-replica"):
+            for _ in range(50):  # the replica's totals are written by housekeeping, once a second
+                if redis_server.client().hexists(f"{namespace}:replicas", "test-replica"):
                     break
                 await asyncio.sleep(0.1)
             keys = [k.decode() for k in redis_server.client().scan_iter(count=1000)]

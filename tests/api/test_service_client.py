@@ -103,3 +103,17 @@ async def test_unary_calls_retry_then_translate_the_replicas_error():
     with pytest.raises(SessionNotFound):
         await ServiceClient(transport, "m", "i").resume_session("s_*:kv", "t")
     assert transport.verbs[0][0] == ""
+
+
+class UnreadableTotals:
+    """A store whose replicas' totals cannot be read (their Redis, or cluster shard, is out)."""
+
+    async def replica_stats(self):
+        raise ConnectionError("the shard of the totals is down")
+
+
+async def test_a_fleets_stats_fall_back_to_the_answering_replica_when_the_totals_cannot_be_read():
+    transport = ScriptedTransport(calls=[{"ok": {"replica": "a", "sessions": 3}}])
+    transport.fleet = True
+    stats = await ServiceClient(transport, "m", "ingress", store=UnreadableTotals()).stats()
+    assert stats == {"replica": "a", "sessions": 3, "replicas": 1}

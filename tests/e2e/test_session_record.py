@@ -43,9 +43,9 @@ async def test_a_tiered_conversation_leaves_one_record_and_its_kv_pages_nothing_
             keys = {k.decode() for k in client.scan_iter(count=1000)}
             record_key = session_key(namespace, info["session_id"])
             kv_keys = {k for k in keys if k.startswith(f"{record_key}:kv:")}
-            # The record, its manifest, its KV, the listing index and this replica's totals: nothing else.
+            # The record, its manifest, its KV, the listing index and the replicas' totals: nothing else.
             assert keys == {record_key, f"{record_key}:keys", f"{namespace}:sessions",
-                            f"{namespace}:replica:test-replica"} | kv_keys
+                            f"{namespace}:replicas"} | kv_keys
             # Written once at creation and once per turn, compare-and-set.
             assert int(client.hget(record_key, "version")) == 4
             record = json.loads(client.hget(record_key, "data"))
