@@ -85,8 +85,12 @@ class SessionRepository:
             try:
                 outcome = await self.store.save(data, summ, expected)
                 if outcome == MOVED and expected is not None and await self.store.version(session.id) is None:
-                    # The record expired (or Redis came back empty): this copy is the truth.
-                    expected = None
+                    # The record expired (or Redis came back empty): this copy is the truth, and what
+                    # Redis was believed to hold of its KV is checked, and written again where lost.
+                    await self.engine.kv_settled(session.id, kv, committed=False)
+                    self.engine.distrust_kv(session.id)
+                    kv = await self.engine.persist(session.id)
+                    data, expected = record(session, digest, kv), None
                     outcome = await self.store.save(data, summ, None)
             except Exception as exc:  # Redis unreachable: turns go on in memory
                 await self.engine.kv_settled(session.id, kv, committed=False)
@@ -165,7 +169,10 @@ class SessionRepository:
             self.deleted.add(session.id)
             return True
         if stored is None:
-            self._versions[session.id] = None  # expired from the store: the next save recreates it
+            # Expired from the store, or Redis came back empty: the next save recreates it, checking what
+            # Redis was believed to hold of its KV.
+            self._versions[session.id] = None
+            self.engine.distrust_kv(session.id)
             return False
         if local is None or stored > local:
             log.info("local copy of session %s is stale (v%s < v%s); restoring", session.id, local, stored)

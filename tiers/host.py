@@ -404,6 +404,10 @@ class HostTier:
         with self._lock:
             return self.copies.due_renewal(session_id, every_s)
 
+    def distrust(self, session_id: str) -> None:
+        with self._lock:
+            self.copies.distrust(session_id)
+
     def renewed(self, session_id: str) -> None:
         with self._lock:
             self.copies.renewed(session_id)

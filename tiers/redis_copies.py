@@ -29,7 +29,7 @@ class _Session:
     gens: dict[str, Generation] = field(default_factory=dict)  # written or committed, oldest first
     waiting: set[str] = field(default_factory=set)  # freed pages whose copy a generation still names
     sweep: bool = False  # adopted from a record: the first commit also clears what earlier holders left
-    renewed_at: float = 0.0  # when every key of the session last had its TTL renewed (0: never, here)
+    renewed_at: float | None = None  # when its pages were last all checked and renewed (None: not here)
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,13 @@ class RedisCopies:
     def due_renewal(self, sid: str, every_s: float) -> bool:
         """Whether the session's keys last had their TTL renewed more than ``every_s`` ago (here)."""
         s = self._sessions.get(sid)
-        return s is not None and time.monotonic() - s.renewed_at > every_s
+        return s is not None and (s.renewed_at is None or time.monotonic() - s.renewed_at > every_s)
+
+    def distrust(self, sid: str) -> None:
+        """Redis may have lost what it was believed to hold (it came back empty): check it all next time."""
+        s = self._sessions.get(sid)
+        if s is not None:
+            s.renewed_at = None
 
     def renewed(self, sid: str) -> None:
         s = self._sessions.get(sid)

@@ -186,6 +186,11 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
         await self.batcher.run(let_go)
         return self.redis is None or await asyncio.to_thread(self.redis.delete_session, session_id)
 
+    def distrust_kv(self, session_id: str) -> None:
+        """Redis may have lost the session's KV (its record was gone): the next persist checks every page
+        it was believed to hold, and writes again those it still has."""
+        self.host_tier.distrust(session_id)
+
     async def kv_settled(self, session_id: str, kv: dict | None, committed: bool) -> None:
         """The record that names the KV generation ``kv`` committed (older generations are collected) or
         did not (``kv``'s own generation is removed); off the event loop, since it talks to Redis."""
