@@ -13,8 +13,9 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /srv/rocketkv-mt
 
 # A C compiler: HSA's CPU decode step runs a small C kernel, built for the host CPU on first use.
+# wget: KubeRay's probes of Ray pods run it (deploy/kuberay/rayservice.yaml).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev wget \
     && rm -rf /var/lib/apt/lists/*
 
 # torch first, so that installing the project does not pull another build. For a small CPU image,

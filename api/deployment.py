@@ -6,7 +6,9 @@ session's replica. Each
 replica registers the sessions it serves with ``@serve.multiplexed`` (the router prefers a
 replica that holds the session) and reports its room for new sessions (``record_routing_stats``,
 ``app.placement``); both are only routing data, the sessions themselves live in the service.
-``deploy`` / ``run_ray`` start Ray, its HTTP proxy and the application (``rocketkv-mt serve``).
+``deploy`` / ``run_ray`` start Ray (or join ``RKV_RAY_ADDRESS``), its HTTP proxy and the application
+(``rocketkv-mt serve``); ``app_builder`` is the same application for a Serve config file (``serve
+deploy``, KubeRay's ``RayService``: deploy/kuberay/rayservice.yaml).
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # spread by the router's own count (``app.placement.Placer``), so seconds are enough.
 ROUTING_STATS_S = 2.0
 APP_NAME = "rocketkv-mt"
+# A resource only the head node has (Ray's own name for it). The ingress holds every client's
+# WebSocket: on the head, which the cluster cannot lose anyway, a worker's death drops no connection.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+# One HTTP proxy, on the head beside the ingress: a proxy on a worker would only forward to it.
+PROXY_LOCATION = "HeadOnly"
 log = logging.getLogger(__name__)
 
 
@@ -122,6 +129,7 @@ def build_app(settings: ServerSettings):
         ray_actor_options={
             "num_cpus": settings.replica_num_cpus,
             "num_gpus": gpus_per_replica(settings),
+            "resources": dict(settings.replica_resources),
             "runtime_env": {
                 "env_vars": {**WORKER_ENV, "RKV_MAX_SESSIONS_PER_REPLICA": str(settings.max_sessions_per_replica)}
             },
@@ -137,12 +145,18 @@ def build_app(settings: ServerSettings):
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=1,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
         max_ongoing_requests=settings.ingress_max_ongoing_requests,
     )
     # Only the ingress checks API keys; chat replicas never see them.
     replica_config = {k: v for k, v in config.items() if k != "api_key"}
     return ingress.bind(chat.bind(replica_config), config)
+
+
+def app_builder(args: dict[str, Any]):
+    """The application as a Serve config names it (``import_path: api.deployment:app_builder``): ``args``
+    are settings by field name, over the ``RKV_`` environment of the node that builds it."""
+    return build_app(ServerSettings(**args))
 
 
 def start_ray(settings: ServerSettings) -> None:
@@ -165,7 +179,7 @@ def start_ray(settings: ServerSettings) -> None:
 def deploy(settings: ServerSettings):
     """Start Ray (if needed), the HTTP proxy and the application; returns the ingress handle."""
     start_ray(settings)
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.start(proxy_location=PROXY_LOCATION, http_options={"host": settings.host, "port": settings.port})
     return serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
 
 

@@ -229,6 +229,11 @@ class ServeSettings(BaseSettings):
         None, ge=0, description="GPUs per chat replica; unset means 1 when CUDA is visible, else 0."
     )
     replica_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per chat replica.")
+    replica_resources: dict[str, float] = Field(
+        {},
+        description="Ray custom resources per chat replica (JSON, e.g. {\"chat\": 1}): replicas only land on "
+        "nodes started with them (`ray start --resources`), so a cluster keeps them off its head.",
+    )
     max_ongoing_requests: int = Field(
         64, ge=1, description="Concurrent requests one chat replica accepts (turns, cancels, lookups)."
     )

@@ -21,6 +21,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def deploy_on_a_free_port(settings, deploy, serve, tries: int = 4):
+    """``deploy`` with a fresh port each time the proxy loses its port to another process.
+
+    ``free_port`` releases the port before Ray's proxy binds it, and Ray's own start-up opens many
+    connections whose local ports come from the same range: now and then one of them takes it.
+    """
+    for attempt in range(tries):
+        try:
+            deploy(settings)
+            return settings
+        except Exception as e:  # the proxy's RuntimeError arrives wrapped in a RayTaskError
+            if "Failed to bind" not in str(e) or attempt == tries - 1:
+                raise
+            serve.shutdown()
+            settings = settings.model_copy(update={"port": free_port()})
+    raise AssertionError("unreachable")
+
+
 class ServerThread:
     """uvicorn serving ``app`` on 127.0.0.1 in a background thread, for a ``with`` block."""
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from serving_helpers import WsChat, free_port
+from serving_helpers import WsChat, deploy_on_a_free_port, free_port
 
 SESSIONS, TURNS = 8, 3
 
@@ -72,24 +72,6 @@ def cluster(redis_url):
         r = redis.Redis.from_url(redis_url)
         for key in r.scan_iter(match=f"{settings.redis_namespace}:*"):
             r.delete(key)
-
-
-def deploy_on_a_free_port(settings, deploy, serve, tries: int = 4):
-    """``deploy`` with a fresh port each time the proxy loses its port to another process.
-
-    ``free_port`` releases the port before Ray's proxy binds it, and Ray's own start-up opens many
-    connections whose local ports come from the same range: now and then one of them takes it.
-    """
-    for attempt in range(tries):
-        try:
-            deploy(settings)
-            return settings
-        except Exception as e:  # the proxy's RuntimeError arrives wrapped in a RayTaskError
-            if "Failed to bind" not in str(e) or attempt == tries - 1:
-                raise
-            serve.shutdown()
-            settings = settings.model_copy(update={"port": free_port()})
-    raise AssertionError("unreachable")
 
 
 def kill_replica(replica: str) -> None:
