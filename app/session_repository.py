@@ -76,10 +76,9 @@ class SessionRepository:
             if session.busy:
                 return None  # a turn started while this waited for the lock (its cache may be mid-prefill)
             expected = self._versions.get(session.id)
-            if session.id in self.deleted:
-                return DELETED
-            if expected == -1:
-                return MOVED  # this copy must not serve again, nor write
+            if session.id in self.deleted or expected == -1:
+                self._unsaved.discard(session.id)  # a stale copy has nothing Redis should take
+                return DELETED if session.id in self.deleted else MOVED  # it must not serve again, nor write
             kv = await self.engine.persist(session.id)
             data, summ = record(session, digest, kv), summary(session, self.replica)
             try:
