@@ -57,9 +57,10 @@ ABOUT = {
             "processes; clients take short REST turns, delete their sessions after a random number of turns and "
             "open new ones, and move between replicas, while replicas are killed (SIGKILL) and started again and "
             "Redis is shut down and started again on its AOF. Then: every surviving session's history (messages "
-            "and token ids) is what its client was acknowledged, no deleted session answers on any replica, no "
-            "Redis key of the session namespace lacks a live record, and each replica's used host-tier bytes are "
-            "its live sessions' sum. Failed attempts (retried) are counted by kind; a violation fails the run.",
+            "and token ids) is what its client was acknowledged, no deleted session answers on any replica, every "
+            "Redis key of the session namespace is named by its record (a live one: itself, its manifest, its KV "
+            "generation's tables and the pages they list; a tombstone: itself), and each replica's used "
+            "host-tier bytes are its live sessions' sum. Failed attempts (retried) are counted by kind; a violation fails the run.",
     "placement": "Where new sessions go, by simulation (`rocketkv-mt bench placement`): a synthetic chat trace "
                  "(sized from LMSYS-Chat-1M and ShareGPT statistics; `bench/placement_trace.py`) replayed against "
                  "2, 8 and 64 simulated replicas with the server's own placement (`app/placement.py`), per-session "
