@@ -8,6 +8,7 @@ and when lives in git.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -240,7 +241,9 @@ def _cluster(d: dict) -> list[str]:
              f"{_mb(p['fits_bytes'])}, {n + 1} at least {_mb(p['overflow_bytes'])}; turns are refused at once "
              f"rather than queued. **{t['refused_sessions']} of {t['sessions_opened']} sessions refused; "
              f"{t['even_rounds']} of {len(d['rounds'])} rounds split {n} / {n}**; {t['parked']} sessions parked, "
-             f"{t['other_errors']} other errors.", ""]
+             f"{t['other_errors']} other errors."
+             + (f" Session ids are random, so rounds sample the hash: {2 * n} ids hashed over two replicas split "
+                f"{n} / {n} with probability {math.comb(2 * n, n) / 4 ** n:.0%}." if hashed else ""), ""]
     rows = [[i, " / ".join(map(str, r["split"])), r["refused_sessions"], r["turns_done"],
              *([("yes" if r["as_hashed"] else "no")] if hashed else [])] for i, r in enumerate(d["rounds"], 1)]
     lines += _table(["round", "sessions per replica", "refused", "turns served",
