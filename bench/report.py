@@ -8,6 +8,7 @@ and when lives in git.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,7 +53,11 @@ ABOUT = {
              "time; the speed-up is the short turns' tokens/s concurrent over one at a time. Stall runs "
              "(`--stall`): sessions stream long replies, then a long first message arrives in one more "
              "session; the ratio is the longest pause a stream saw while it was prefilled over the 95th "
-             "percentile gap between tokens before it.",
+             "percentile gap between tokens before it. Cluster runs (`python -m bench.cluster_serve`): two chat "
+             "replicas on two Ray worker nodes on loopback, each replica's device budget measured to fit N of the "
+             "sessions and not N+1; each round 2N new sessions arrive at once and stay resident together; "
+             "sessions per replica and refusals (`device_memory_exhausted`) per placement policy "
+             "(`RKV_PLACEMENT`).",
     "soak": "Sessions kept through faults (`rocketkv-mt bench soak`): a private Redis with AOF and replica "
             "processes; clients take short REST turns, delete their sessions after a random number of turns and "
             "open new ones, and move between replicas, while replicas are killed (SIGKILL) and started again and "
@@ -226,6 +231,32 @@ def _stall(d: dict) -> list[str]:
     return lines + _table(["p95 gap before", "longest pause", "ratio", "p95 gap during", "the long message"], rows)
 
 
+def _cluster(d: dict) -> list[str]:
+    c, t, p = d["cluster"], d["totals"], d["probe"]
+    n, hashed = d["sessions_per_replica"], c["policy"] == "hash"
+    lines = [f"Placement `{c['policy']}`: {c['replicas']} replicas on {c['workers']} Ray worker nodes (the head offers "
+             f"no CPU; each worker `{{\"chat\": 1}}`), mode `{d['mode']}`, {d['sessions']} sessions a round with a "
+             f"~{d['context']}-token context message, then {d['turns']} short turn"
+             f"{'s' if d['turns'] != 1 else ''}, {d['max_tokens']} tokens a reply. Device budget {_mb(d['device_budget_bytes'])} a replica: {n} sessions commit at most "
+             f"{_mb(p['fits_bytes'])}, {n + 1} at least {_mb(p['overflow_bytes'])}; turns are refused at once "
+             f"rather than queued. **{t['refused_sessions']} of {t['sessions_opened']} sessions refused; "
+             f"{t['even_rounds']} of {len(d['rounds'])} rounds split {n} / {n}**; {t['parked']} sessions parked, "
+             f"{t['other_errors']} other errors."
+             + (f" Session ids are random, so rounds sample the hash: {2 * n} ids hashed over two replicas split "
+                f"{n} / {n} with probability {math.comb(2 * n, n) / 4 ** n:.0%}." if hashed else ""), ""]
+    rows = [[i, " / ".join(map(str, r["split"])), r["refused_sessions"], r["turns_done"],
+             *([("yes" if r["as_hashed"] else "no")] if hashed else [])] for i, r in enumerate(d["rounds"], 1)]
+    lines += _table(["round", "sessions per replica", "refused", "turns served",
+                     *(["where the rendezvous hash puts them"] if hashed else [])], rows) + [""]
+    stats = d.get("replica_stats", {})
+    rows = [[f"`{k}`", "head" if node == d.get("head_node") else f"worker `{node[:8]}`",
+             sum(r["split"][i] for r in d["rounds"]), _mb(stats.get(k, {}).get("peak_device_bytes") or 0),
+             stats.get(k, {}).get("turns_refused_device_memory", "–"), stats.get(k, {}).get("sessions_parked_total", "–")]
+            for i, (k, node) in enumerate((k, d["replica_nodes"][k]) for k in d["replicas"])]
+    return lines + _table(["replica", "node", "sessions over the rounds", "peak device bytes", "turns refused",
+                           "sessions parked"], rows)
+
+
 SOAK_CHECKS = (
     ("history", "surviving sessions whose history differs from what was acknowledged", "history"),
     ("lost_turns", "acknowledged turns lost", None),
@@ -352,7 +383,8 @@ def _fields(d: dict) -> list[str]:
 TABLES: dict[str, Callable[[dict], list[str]]] = {
     "eval": _eval, "needle": _needle, "fidelity": _fidelity, "history-swap": _history_swap, "scaling": _scaling,
     "decode": _decode, "capacity": _capacity, "prefill-peak": _prefill_peak, "ttft": _ttft, "serve": _serve,
-    "stall": _stall, "soak": _soak, "placement": _placement, "rounds": _rounds, "hsa": _hsa, "linear": _linear, "ops": _ops,
+    "stall": _stall, "cluster": _cluster, "soak": _soak, "placement": _placement, "rounds": _rounds, "hsa": _hsa,
+    "linear": _linear, "ops": _ops,
 }
 
 

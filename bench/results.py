@@ -39,8 +39,10 @@ class Result:
 
 def kind(data: dict, path: Path | None = None) -> str:
     """Which benchmark wrote ``data``: ``eval``, ``decode``, ``scaling``, ``capacity``, ``serve``
-    (load), ``stall`` (``bench serve --stall``), ``soak``, ... or, failing those fields, the file's folder."""
+    (load), ``stall`` (``bench serve --stall``), ``cluster`` (``bench.cluster_serve``), ``soak``, ... or, failing those fields, the file's folder."""
     modes = data.get("modes")
+    if "cluster" in data and isinstance(data.get("rounds"), list):
+        return "cluster"
     if "turns_failed" in data and "violations" in data:
         return "soak"
     if "replica_counts" in data and "scenarios" in data:

@@ -51,6 +51,8 @@ class Turn:
     end: float = 0.0
     generated: int = 0
     error: str | None = None
+    code: str | None = None  # the error's code (``device_memory_exhausted``, ...)
+    replica: str | None = None  # the replica that answered ``done``
     server_ttft_ms: float | None = None
 
     @property
@@ -88,6 +90,7 @@ class Session:
     def __init__(self, ws, args):
         self.ws = ws
         self.args = args
+        self.info: dict = {}  # the server's ``session`` event: id, token, replica
 
     async def recv(self, timeout: float = 1800) -> dict:
         return json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
@@ -102,6 +105,7 @@ class Session:
         while True:
             reply = await self.recv()
             if reply["type"] == "session":
+                self.info = reply
                 return reply["session_id"]
             if reply["type"] == "error":
                 raise RuntimeError(f"{reply.get('code')}: {reply.get('message')}")
@@ -120,10 +124,12 @@ class Session:
                 turn.end = time.perf_counter()
                 turn.generated = int(event["usage"]["generated_tokens"])
                 turn.server_ttft_ms = event.get("ttft_ms")
+                turn.replica = event.get("replica")
                 return turn
             elif event["type"] == "error":
                 turn.end = time.perf_counter()
-                turn.error = f"{event.get('code')}: {event.get('message')}"
+                turn.code = event.get("code")
+                turn.error = f"{turn.code}: {event.get('message')}"
                 return turn
 
 
