@@ -130,15 +130,17 @@ class SessionRepository:
         """Compare the sessions held here with their records (one pipelined read): (those another replica
         saved since, those deleted). Housekeeping drops both, so that a stale copy is gone before Redis
         might become unreachable and it would be the best there is."""
-        sids = [sid for sid, version in self._versions.items() if version is not None]
+        local = {sid: version for sid, version in self._versions.items() if version is not None}
         try:
-            stored = await self.store.versions(sids)
+            stored = await self.store.versions(list(local))
         except Exception:  # Redis unreachable: nothing learnt
             return [], []
         stale, deleted = [], []
-        for sid, version in zip(sids, stored):
+        for sid, version in zip(local, stored):
             if isinstance(version, BaseException):  # its shard does not answer: nothing learnt
                 continue
+            if self._saving(sid) or self._versions.get(sid) != local[sid]:
+                continue  # saved meanwhile, or a save in flight (what it reads may be its own version)
             if version == TOMBSTONE:
                 deleted.append(sid)
             elif version is not None and version > self._versions.get(sid, version):
@@ -156,8 +158,16 @@ class SessionRepository:
         with contextlib.suppress(Exception):  # left in the log: finished again later, harmlessly
             await self.store.deleted(sid)
 
+    def _saving(self, sid: str) -> bool:
+        lock = self._save_locks.get(sid)
+        return lock is not None and lock.locked()
+
     async def is_stale(self, session: Session) -> bool:
         """Whether another replica saved a newer state of this session since this copy was saved."""
+        lock = self._save_locks.get(session.id)
+        if lock is not None and lock.locked():
+            async with lock:  # a save in flight: its outcome sets this copy's version first
+                pass
         try:
             stored = await self.store.version(session.id)
         except Exception:  # Redis unreachable: the local copy is the best there is

@@ -55,3 +55,35 @@ async def test_a_turn_on_a_copy_that_moved_on_meanwhile_is_not_acknowledged(make
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_save_in_flight_is_not_taken_for_another_replica_moving_on(make_engine, private_redis):
+    """Between a save's compare-and-set and its bookkeeping, Redis already holds the new version: neither
+    housekeeping nor a request may take this replica's own save for another's."""
+    import asyncio
+
+    ns = f"rkvstale-{secrets.token_hex(3)}"
+    a = replica(make_engine, private_redis.url, ns, "a")
+    try:
+        sid = new_session_id()
+        token = (await a.create_session(sid, mode="tiered"))["token"]
+        committed, go = asyncio.Event(), asyncio.Event()
+        settled = a.engine.kv_settled
+
+        async def slow_settle(*args, **kwargs):
+            committed.set()
+            await go.wait()
+            return await settled(*args, **kwargs)
+
+        a.engine.kv_settled = slow_settle
+        turn = asyncio.create_task(events_of(a, sid, token, "Hello there."))
+        await asyncio.wait_for(committed.wait(), 60)
+        assert await a.repository.refresh() == ([], [])
+        checking = asyncio.create_task(a.repository.is_stale(a.engine.sessions[sid]))
+        await asyncio.sleep(0.1)
+        go.set()
+        assert isinstance((await turn)[-1], Done) and await checking is False
+        await a._drop_stale()
+        assert sid in a.engine.sessions
+    finally:
+        await a.close()
