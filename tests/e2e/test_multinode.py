@@ -20,6 +20,8 @@ import httpx
 import pytest
 from serving_helpers import WsChat, deploy_on_a_free_port, free_port
 
+from bench.cluster_serve import replica_nodes
+
 pytestmark = pytest.mark.slow
 
 LOOPBACK = "127.0.0.1"
@@ -84,19 +86,6 @@ def cluster(redis_url):
         r = redis.Redis.from_url(redis_url)
         for key in r.scan_iter(match=f"{namespace}:*"):
             r.delete(key)
-
-
-def replica_nodes() -> dict[str, str]:
-    """Each chat replica's node id, as the replica's own process reports it."""
-    import ray
-
-    found = {}
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if "#ChatReplica#" in actor["name"]:
-            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
-            node = handle.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id())
-            found[actor["name"].rsplit("#", 1)[1]] = ray.get(node, timeout=60)
-    return found
 
 
 async def turn(chat: WsChat, content: str, key: str, max_tokens: int = 8,
