@@ -164,10 +164,10 @@ class SessionRepository:
 
     async def is_stale(self, session: Session) -> bool:
         """Whether another replica saved a newer state of this session since this copy was saved."""
-        lock = self._save_locks.get(session.id)
-        if lock is not None and lock.locked():
-            async with lock:  # a save in flight: its outcome sets this copy's version first
-                pass
+        if self._saving(session.id):
+            # A save in flight: Redis may already hold its version, not another replica's, and its outcome
+            # tells whether this copy moved on (waiting for it could wait on the caller's own request).
+            return False
         try:
             stored = await self.store.version(session.id)
         except Exception:  # Redis unreachable: the local copy is the best there is
