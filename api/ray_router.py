@@ -3,7 +3,9 @@
 Requests carry their session id as ``multiplexed_model_id``. The replica is chosen by
 ``app.placement`` (``RKV_PLACEMENT``):
 1. a replica that reports holding the session (replicas register the sessions they serve
-   through ``@serve.multiplexed``), so sessions stay put when replicas are added;
+   through ``@serve.multiplexed``), so sessions stay put when replicas are added; not one that
+   reports having let it go since (``released`` in its routing stats: parked off its full device,
+   state in Redis), whose next turn is placed as in 2.;
 2. otherwise (a new session, or one whose replica died), with ``memory`` the replica that last
    reported the most room (``record_routing_stats``: free device budget, sessions, host room),
    ties by rendezvous hashing of the session id; with ``hash`` the rendezvous hash alone, so every
@@ -22,7 +24,7 @@ import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from app.placement import Candidate, Placer, Policy, Room, place
+from app.placement import Candidate, Placer, Policy, Room, holds, place
 
 
 def replica_key(replica: RunningReplica) -> str:
@@ -30,10 +32,12 @@ def replica_key(replica: RunningReplica) -> str:
 
 
 def candidates(session_id: str, replicas: list[RunningReplica]) -> list[Candidate]:
-    """The replicas as ``app.placement`` sees them: key, whether each holds the session, its room."""
+    """The replicas as ``app.placement`` sees them: key, whether each holds the session (held and not
+    reported released), its room."""
     return [
-        Candidate(replica_key(r), session_id in r.multiplexed_model_ids, Room.from_stats(getattr(r, "routing_stats", None)))
+        Candidate(replica_key(r), holds(session_id, r.multiplexed_model_ids, stats), Room.from_stats(stats))
         for r in replicas
+        for stats in [getattr(r, "routing_stats", None)]
     ]
 
 

@@ -9,8 +9,8 @@ The jobs behind the verbs live in their own modules: who may open a session
 (``app.session_access``), which sessions stay in memory (``app.session_residency``), the one
 compare-and-set record per session in Redis that lets any replica restore it
 (``app.session_repository``), and turns that run at most once (``app.session_turns``). This class puts
-them in order for each verb and runs the housekeeping loop (idle eviction, saves that failed while
-Redis was down, this replica's stats).
+them in order for each verb and runs the housekeeping loop (idle eviction, letting go of sessions parked
+off a full device, saves that failed while Redis was down, this replica's stats).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,6 +28,7 @@ from app.contract.errors import SessionBusy
 from app.contract.events import TurnEvent
 from app.engine.engine import Engine
 from app.engine.session import Session
+from app.placement import RELEASED_KEEP, routing_stats
 from app.replica_status import redis_health, replica_room, replica_totals
 from app.session_access import SessionAccess, refuse
 from app.session_map import session_map
@@ -63,6 +65,9 @@ class ChatService:
         self._restore_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._housekeeper: asyncio.Task | None = None
+        # Sessions let go lately while parked (the latest last): the router must not count this replica
+        # as their holder, though Ray still lists them among its multiplexed ids.
+        self.released: OrderedDict[str, None] = OrderedDict()
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -92,6 +97,7 @@ class ChatService:
             try:
                 if self.repository is not None:
                     self.residency.evict_idle()
+                    self._let_parked_go()
                     await self.repository.save_unsaved(self.access.digest)
                     await self._drop_stale()
                     await self._finish_deletes()
@@ -106,6 +112,15 @@ class ChatService:
     def _can_leave(self, session: Session) -> bool:
         """Idle, and Redis has its latest state: dropping it from memory loses nothing."""
         return self.repository is not None and not session.busy and self.repository.stored(session.id)
+
+    def _let_parked_go(self) -> None:
+        """Let go of the sessions parked off the full device whose state Redis has, and report them
+        released (``routing_stats``): their next turn goes where there is room, which restores them."""
+        for sid in self.residency.let_parked_go():
+            self.released[sid] = None
+            self.released.move_to_end(sid)
+            while len(self.released) > RELEASED_KEEP:
+                self.released.popitem(last=False)
 
     def _forget(self, sid: str) -> None:
         """Drop a session from this process (device memory and host-tier pages freed); Redis keeps its state."""
@@ -155,6 +170,8 @@ class ChatService:
                     raise refuse(sid)
                 self._forget(sid)
                 session = None
+            elif self.engine.sessions.get(sid) is not session:
+                session = None  # let go while this waited (parked off a full device): restored below
         restored = session is None
         if session is None:
             session = await self._restore(sid, token, owner)
@@ -174,10 +191,12 @@ class ChatService:
             self.residency.make_room(keep=sid)  # a stored session always comes back; others idle make way
             session = await self.repository.revive(sid, data, version)
             self.access.grant(sid, data["token_sha256"])
+            self.released.pop(sid, None)  # held here again
             return session
 
     async def _adopt(self, session: Session) -> dict[str, Any]:
         token = self.access.issue(session.id)
+        self.released.pop(session.id, None)
         if self.repository is not None:
             self.repository.track(session.id)
         await self._persist(session)
@@ -273,8 +292,9 @@ class ChatService:
         return replica_totals(self.engine, self.replica)
 
     def routing_stats(self) -> dict[str, Any]:
-        """What this replica tells the router (``app.placement``): its room for new sessions."""
-        return replica_room(self.engine, self.residency.max_sessions).as_stats()
+        """What this replica tells the router (``app.placement``): its room for new sessions, and the
+        sessions it let go lately (it no longer holds them, though Ray still lists them as its own)."""
+        return routing_stats(replica_room(self.engine, self.residency.max_sessions), list(self.released))
 
     # --- turns ---------------------------------------------------------------------------------
     async def chat(

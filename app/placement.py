@@ -12,18 +12,24 @@ while another has reported.
 A report is seconds old when a burst of new sessions arrives; ``Placer`` counts each session it
 places against its replica's reported room (its sessions' mean bytes) until that replica reports again,
 so the burst spreads instead of landing on one replica.
+
+A replica holds a session when Ray lists it among the replica's multiplexed ids and the replica does not
+report it among those it let go lately (``released``): Ray keeps an id after the replica lets the session go
+(a session parked off a full device, its state in Redis), and such a session's next turn is placed by room
+like a new one's, so that it may move to a replica with room, which restores it without re-prefill.
 """
 from __future__ import annotations
 
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 Policy = Literal["memory", "hash"]
 POLICIES: tuple[str, ...] = ("memory", "hash")
+RELEASED_KEEP = 256  # how many of the sessions it let go lately a replica reports
 
 
 def rendezvous_score(session_id: str, replica_key: str) -> int:
@@ -83,6 +89,19 @@ class Room:
             sessions=self.sessions + count,
             session_slots=None if self.session_slots is None else self.session_slots - count,
         )
+
+
+def routing_stats(room: Room, released: Sequence[str] = ()) -> dict[str, Any]:
+    """What a replica reports to the routers: its room, and the sessions it let go lately (at most
+    ``RELEASED_KEEP``, the latest last)."""
+    return {**room.as_stats(), "released": list(released)[-RELEASED_KEEP:]}
+
+
+def holds(session_id: str, held_ids: Collection[str], stats: Mapping[str, Any] | None) -> bool:
+    """Whether a replica holds ``session_id``: among its held (multiplexed) ids and not among the
+    sessions its routing stats report released."""
+    released = (stats or {}).get("released")
+    return session_id in held_ids and not (isinstance(released, (list, tuple)) and session_id in released)
 
 
 @dataclass(frozen=True)

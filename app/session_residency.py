@@ -5,7 +5,8 @@ Only a session that can come back may leave: idle, and with its latest state in 
 repository says so). Leaving is the engine's ``drop``, which frees the session's device memory
 and host-tier pages and keeps its Redis copies for the next request, here or on another replica.
 At the cap, the least recently used sessions that can leave make room; when none can, a new
-session is refused with ``too_many_sessions``.
+session is refused with ``too_many_sessions``. A session parked off a full device that can come back
+leaves too (``let_parked_go``), so that the router may place its next turn where there is room.
 """
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ class Residency:
         for sid, session in list(self.engine.sessions.items()):
             if session.last_used < cutoff and self.can_leave(session):
                 self.leave(sid)
+
+    def let_parked_go(self) -> list[str]:
+        """Let go of the sessions the engine parked to make room on its full device that can come back,
+        and name them: another replica with room may take their next turn (``app.placement``), restoring
+        them from Redis as this one would have."""
+        gone = [sid for sid, s in list(self.engine.sessions.items()) if s.parked and self.can_leave(s)]
+        for sid in gone:
+            self.leave(sid)
+        return gone
 
     def make_room(self, keep: str | None = None) -> bool:
         """Bring the sessions held under ``max_sessions`` by letting the least recently used ones

@@ -126,6 +126,7 @@ class DeviceResidency:
         """Take an idle session's cache off the device; its next turn restores it (or re-prefills)."""
         cache = self.memory_account.take_cache(session)
         session.parked_kv = None
+        session.parked = True
         self.memory_account.parks += 1
         self.batcher.submit(lambda: self._park_job(session, cache))
 
@@ -191,6 +192,7 @@ class DeviceResidency:
             fed = state.get("history_len")
             session.lost_fed = fed if isinstance(fed, int) and fed > 0 else 0
         session.cache = cache
+        session.parked = False
         self.memory_account.set_held(session.id, cache.device_bytes())
 
     def _rebuild_cache(self, session: Session) -> SessionCache:

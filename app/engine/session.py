@@ -51,6 +51,9 @@ class Session:
     # A parked session (its cache dropped from the device to make room): the record its cache's
     # ``persist()`` wrote, restored at its next turn; None with no cache means re-prefill the history.
     parked_kv: dict | None = None
+    # Parked by this engine to make room (its cache taken off a full device), until a cache comes back:
+    # the service lets such a session go once Redis has its latest state, so a replica with room may take it.
+    parked: bool = False
     # What the current cache was fed since it was created, turn by turn (an exact rebuild replays it).
     feeds: list[Feed] = field(default_factory=list)
     # The tokens a cache had been fed when part of it was lost (its cold pages gone with Redis), until a

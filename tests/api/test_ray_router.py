@@ -13,7 +13,7 @@ pytest.importorskip("ray")
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
 
 from api.ray_router import SessionAffinityRouter  # noqa: E402
-from app.placement import Room  # noqa: E402
+from app.placement import Room, routing_stats  # noqa: E402
 
 SESSIONS = [f"s_{i:03d}" for i in range(120)]
 
@@ -21,10 +21,11 @@ SESSIONS = [f"s_{i:03d}" for i in range(120)]
 class FakeReplica:
     """What the router reads of a ``RunningReplica``."""
 
-    def __init__(self, unique_id: str, room: Room | None = None, held: set[str] = frozenset()):
+    def __init__(self, unique_id: str, room: Room | None = None, held: set[str] = frozenset(),
+                 released: list[str] | None = None):
         self.replica_id = SimpleNamespace(unique_id=unique_id)
         self.multiplexed_model_ids = set(held)
-        self.routing_stats = room.as_stats() if room is not None else {}
+        self.routing_stats = {} if room is None else room.as_stats() if released is None else routing_stats(room, released)
 
 
 def request(session_id: str) -> SimpleNamespace:
@@ -53,6 +54,24 @@ async def test_memory_sends_new_sessions_to_the_roomiest_replica_and_holders_kee
     assert {await route(r, s, [full, roomy]) for s in SESSIONS[:20]} == {"b"}
     held = FakeReplica("a", Room(device_room=0, sessions=40, reported_at=1.0), held={"s_old"})
     assert await route(r, "s_old", [held, roomy]) == "a"
+
+
+async def test_a_session_its_replica_reports_released_goes_by_room_a_held_one_stays():
+    """The full replica let ``s_parked`` go (parked, its state in Redis) but Ray still lists it among its
+    multiplexed ids: its next turn goes to the replica with room; ``s_held``, not released, stays."""
+    full = FakeReplica("a", Room(device_room=0, sessions=40, reported_at=1.0), held={"s_parked", "s_held"},
+                       released=["s_parked"])
+    roomy = FakeReplica("b", Room(device_room=8 * 2**30, sessions=3, session_bytes=2**28, reported_at=1.0))
+    for policy in ("memory", "hash"):
+        r = router(policy)
+        assert await route(r, "s_held", [full, roomy]) == "a"
+    r = router("memory")
+    assert await route(r, "s_parked", [full, roomy]) == "b"
+    assert await route(r, "s_parked", [full, roomy]) == "b"  # remembered until b lists it as held
+    # With more room the full replica itself may take it back (it restores it from Redis).
+    emptied = FakeReplica("a", Room(device_room=10 * 2**30, sessions=1, reported_at=1.0),
+                          held={"s_parked"}, released=["s_parked"])
+    assert await route(router("memory"), "s_parked", [emptied, roomy]) == "a"
 
 
 async def test_a_burst_before_the_next_report_is_spread_not_piled_on_one_replica():

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.engine.session import Session
-from app.placement import Candidate, Placer, Room, place
+from app.placement import RELEASED_KEEP, Candidate, Placer, Room, holds, place, routing_stats
 from app.replica_status import ACTIVE_S, replica_room
 from rocketkv_mt.config import RocketKVConfig
 
@@ -57,6 +57,30 @@ def test_hash_ignores_room_and_replicas_without_a_report_wait_for_one():
         place("s_1", fleet(None), "nearest")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         place("s_1", [])
+
+
+def test_a_session_its_replica_reports_released_is_placed_by_room_and_a_held_one_stays():
+    """Ray still lists both sessions among the full replica's ids; it reports having let ``s_1`` go
+    (parked, its state in Redis): ``s_1``'s next turn goes to the roomier replica, ``s_2`` stays."""
+    stats = [routing_stats(Room(device_room=0, sessions=9, reported_at=1.0), ["s_1"]),
+             routing_stats(Room(device_room=10**9, sessions=1, reported_at=1.0))]
+    ids = [{"s_1", "s_2"}, set()]
+
+    def seen(sid: str) -> list[Candidate]:
+        return [Candidate(f"r{i}", holds(sid, ids[i], stats[i]), Room.from_stats(stats[i])) for i in range(2)]
+
+    assert not holds("s_1", ids[0], stats[0]) and holds("s_2", ids[0], stats[0])
+    assert place("s_1", seen("s_1")).key == "r1" and Placer().choose("s_1", seen("s_1"), 0.0) == "r1"
+    assert place("s_2", seen("s_2")).key == "r0" and Placer().choose("s_2", seen("s_2"), 0.0) == "r0"
+    # No report of released sessions (an older replica, or none yet): held means held.
+    assert holds("s_1", {"s_1"}, Room().as_stats()) and holds("s_1", {"s_1"}, None)
+    assert not holds("s_1", set(), None)
+
+
+def test_a_replica_reports_only_its_latest_released_sessions():
+    released = [f"s_{i}" for i in range(RELEASED_KEEP + 40)]
+    stats = routing_stats(Room(device_room=5), released)
+    assert stats["released"] == released[-RELEASED_KEEP:] and Room.from_stats(stats) == Room(device_room=5)
 
 
 def test_room_round_trips_through_routing_stats():
