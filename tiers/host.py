@@ -26,6 +26,7 @@ import torch
 
 from tiers.base import PageBatch, TierStats
 from tiers.host_pool import HostPool
+from tiers.keys import table_names
 from tiers.redis_copies import Collected, RedisCopies
 from tiers.redis_tier import RedisTier
 
@@ -339,9 +340,10 @@ class HostTier:
         generation names are deleted. Returns the slots freed."""
         with self._lock:
             freed = self._drop_slots(session_id)
-            orphans = self.copies.leave(session_id)
+            gone = self.copies.leave(session_id)
         if self.redis is not None:
-            self.redis.delete_pages(session_id, orphans)
+            names = [n for gen, layers in gone.gens.items() for n in table_names(gen, layers)]
+            self.redis.delete_pages(session_id, names + gone.pages)
             self.redis.forget_session(session_id)
         return freed
 

@@ -22,6 +22,11 @@ def manifest_key(ns: str, session_id: str) -> str:
     return f"{session_key(ns, session_id)}:keys"
 
 
+def table_names(gen: str, layers: int) -> list[str]:
+    """The KV names of a generation's page tables and primary sets, layer by layer (``tiers.session_kv``)."""
+    return [name for i in range(layers) for name in (f"{gen}.index-l{i}", f"{gen}.primary-l{i}")]
+
+
 def session_pattern(ns: str) -> str:
     """A ``SCAN MATCH`` pattern for every key of every session (records, manifests and KV)."""
     return f"{ns}:session:*"

@@ -29,6 +29,7 @@ class _Session:
     gens: dict[str, Generation] = field(default_factory=dict)  # written or committed, oldest first
     waiting: set[str] = field(default_factory=set)  # freed pages whose copy a generation still names
     sweep: bool = False  # adopted from a record: the first commit also clears what earlier holders left
+    committed: str | None = None  # the generation a record was last known here to name
     renewed_at: float | None = None  # when its pages were last all checked and renewed (None: not here)
 
 
@@ -103,6 +104,7 @@ class RedisCopies:
         s = self._of(sid)
         s.copies.update(pids)
         s.gens[gen] = Generation(layers, frozenset(pids))
+        s.committed = gen
         s.sweep = True
         s.renewed_at = time.monotonic()  # the restore's existence check renewed every page it names
 
@@ -118,6 +120,7 @@ class RedisCopies:
                 break
             older[g] = s.gens.pop(g).layers
         sweep, s.sweep = s.sweep, False
+        s.committed = gen
         return Collected(older, self._collect(s), sweep)
 
     def abandon(self, sid: str, gen: str) -> Collected:
@@ -163,14 +166,17 @@ class RedisCopies:
         if s is not None:
             s.renewed_at = time.monotonic()
 
-    def leave(self, sid: str) -> list[str]:
-        """The session leaves this process (its record keeps it): the copies no generation names, to
-        delete (nothing restores them); its bookkeeping goes."""
+    def leave(self, sid: str) -> Collected:
+        """The session leaves this process (its record keeps it): only the generation a record was last
+        known to name stays; the others (a park's, one whose record never committed) go, with every
+        copy it does not name (nothing restores them). Its bookkeeping goes."""
         s = self._sessions.pop(sid, None)
         if s is None:
-            return []
-        named = self._named(s)
-        return [pid for pid in s.copies | s.waiting if pid not in named]
+            return Collected({}, [])
+        kept = s.gens.get(s.committed) if s.committed is not None else None
+        named = kept.pages if kept is not None else frozenset()
+        others = {g: v.layers for g, v in s.gens.items() if g != s.committed}
+        return Collected(others, [pid for pid in s.copies | s.waiting | self._named(s) if pid not in named])
 
     def forget(self, sid: str) -> None:
         """The session is deleted: its keys go by its manifest, its bookkeeping here."""

@@ -25,11 +25,9 @@ from dataclasses import dataclass
 
 from tiers.base import PageBatch, batch_nbytes
 from tiers.host import HostTier
+from tiers.keys import table_names
 
-
-def table_names(gen: str, layers: int) -> list[str]:
-    """The names of a generation's page tables and primary sets, layer by layer."""
-    return [name for i in range(layers) for name in (f"{gen}.index-l{i}", f"{gen}.primary-l{i}")]
+__all__ = ["SessionKV", "StoredLayer", "table_names", "valid_ref"]
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,24 @@ def test_a_session_leaving_keeps_what_its_record_names_and_a_move_sweeps_once():
     c = RedisCopies()
     c.adopt("s", "g1", 1, ["a", "b"])
     c.add("s", ["x"])  # spilled since: no record names it
-    assert sorted(c.leave("s")) == ["x"] and c.sessions() == 0
+    left = c.leave("s")
+    assert left.pages == ["x"] and left.gens == {} and c.sessions() == 0
     c.adopt("s", "g1", 1, ["a"])
     c.hold("s", "g2", 1, ["a"])
     assert c.commit("s", "g2").sweep and not c.commit("s", "g2").sweep
     assert c.written_after_free("s", ["a", "z"]) == ["z"] and c.kept("s") == {"a"}
     c.forget("s")
     assert c.written_after_free("s", ["a"]) == ["a"]
+
+
+def test_a_session_leaving_drops_the_generations_no_record_was_known_to_name():
+    c = RedisCopies()
+    c.adopt("s", "g1", 1, ["a", "b"])
+    c.add("s", ["c"])
+    c.hold("s", "park", 1, ["a", "c"])  # a park's generation: written, never committed
+    left = c.leave("s")
+    assert left.gens == {"park": 1} and left.pages == ["c"]  # g1 and its pages stay for its record
+    c.hold("t", "g", 1, ["p"])  # never committed at all: nothing of it stays
+    c.add("t", ["p"])
+    left = c.leave("t")
+    assert left.gens == {"g": 1} and left.pages == ["p"]
