@@ -3,6 +3,7 @@ small model, ``tiered``), sharing one Redis namespace, as replicas of one deploy
 from __future__ import annotations
 
 from app.chat_service import ChatService
+from app.contract.events import Done
 from app.session_store import SessionStore
 
 
@@ -14,3 +15,10 @@ def replica(make_engine, url: str, ns: str, name: str) -> ChatService:
 async def events_of(service: ChatService, sid: str, token: str, text: str, key: str | None = None) -> list:
     """Every event of one turn (``max_tokens`` 4)."""
     return [e async for e in service.chat(sid, token, text, {"max_tokens": 4}, turn_key=key)]
+
+
+async def turn(service: ChatService, sid: str, token: str, text: str) -> Done:
+    """A turn that must finish: its ``Done``."""
+    events = await events_of(service, sid, token, text)
+    assert isinstance(events[-1], Done), events[-1]
+    return events[-1]

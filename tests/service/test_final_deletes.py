@@ -9,24 +9,17 @@ import time
 
 import pytest
 
-from replica_helpers import events_of, replica
+from replica_helpers import replica, turn
 from serving_helpers import RedisServer
 
 from app.chat_service import ChatService
 from app.contract.errors import SessionNotFound
-from app.contract.events import Done
 from app.contract.ids import new_session_id
 from app.session_store import TOMBSTONE
 from tiers.keys import session_key, session_pattern
 
 LONG = "The lighthouse keeper wrote about the storm, the gulls and the ships that passed by. " * 6
 
-
-
-async def turn(service: ChatService, sid: str, token: str, text: str) -> Done:
-    events = await events_of(service, sid, token, text)
-    assert isinstance(events[-1], Done), events[-1]
-    return events[-1]
 
 
 async def new_session(service: ChatService) -> tuple[str, str]:

@@ -8,10 +8,9 @@ import asyncio
 import secrets
 import time
 
-from replica_helpers import events_of
+from replica_helpers import turn
 
 from app.chat_service import ChatService
-from app.contract.events import Done
 from app.contract.ids import new_session_id
 from app.placement import Candidate, Room, holds, place
 from app.session_store import SessionStore
@@ -25,12 +24,6 @@ def replica(make_engine, url: str, ns: str, name: str) -> ChatService:
     engine = make_engine(mode="tiered", token_budget=32, page_tokens=8, prefill_chunk=0, redis_url=url,
                          redis_namespace=ns)
     return ChatService(engine, name, SessionStore(engine.redis.client, ns))
-
-
-async def turn(service: ChatService, sid: str, token: str, text: str) -> Done:
-    events = await events_of(service, sid, token, text)
-    assert isinstance(events[-1], Done), events[-1]
-    return events[-1]
 
 
 async def new_session(service: ChatService) -> tuple[str, str]:
