@@ -125,6 +125,10 @@ class ChatService:
     def _forget(self, sid: str) -> None:
         """Drop a session from this process (device memory and host-tier pages freed); Redis keeps its state."""
         self.engine.drop(sid)
+        self._untrack(sid)
+
+    def _untrack(self, sid: str) -> None:
+        """This replica no longer grants or saves the session (it left the engine)."""
         self.access.forget(sid)
         if self.repository is not None:
             self.repository.forget(sid)
@@ -264,9 +268,7 @@ class ChatService:
         """A deleted session leaves this replica and Redis (its KV keys; the record is a tombstone).
         False when Redis failed to remove its keys (the delete's log has any replica try again)."""
         removed = await self.engine.purge(sid)
-        self.access.forget(sid)
-        if self.repository is not None:
-            self.repository.forget(sid)
+        self._untrack(sid)
         return removed
 
     async def cancel_turn(self, sid: str, token: str | None, owner: str | None = None) -> bool:

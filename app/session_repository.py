@@ -143,7 +143,7 @@ class SessionRepository:
                 continue  # saved meanwhile, or a save in flight (what it reads may be its own version)
             if version == TOMBSTONE:
                 deleted.append(sid)
-            elif version is not None and version > self._versions.get(sid, version):
+            elif version is not None and version > local[sid]:
                 stale.append(sid)
         self.deleted.update(deleted)
         return stale, deleted

@@ -26,7 +26,6 @@ import torch
 
 from tiers.base import PageBatch, TierStats
 from tiers.host_pool import HostPool
-from tiers.keys import table_names
 from tiers.redis_copies import Collected, RedisCopies
 from tiers.redis_tier import RedisTier
 
@@ -342,8 +341,7 @@ class HostTier:
             freed = self._drop_slots(session_id)
             gone = self.copies.leave(session_id)
         if self.redis is not None:
-            names = [n for gen, layers in gone.gens.items() for n in table_names(gen, layers)]
-            self.redis.delete_pages(session_id, names + gone.pages)
+            self.redis.delete_pages(session_id, gone.names())
             self.redis.forget_session(session_id)
         return freed
 

@@ -27,6 +27,11 @@ def table_names(gen: str, layers: int) -> list[str]:
     return [name for i in range(layers) for name in (f"{gen}.index-l{i}", f"{gen}.primary-l{i}")]
 
 
+def tables_of(gens: dict[str, int]) -> list[str]:
+    """``table_names`` of several generations (id -> layers)."""
+    return [name for gen, layers in gens.items() for name in table_names(gen, layers)]
+
+
 def session_pattern(ns: str) -> str:
     """A ``SCAN MATCH`` pattern for every key of every session (records, manifests and KV)."""
     return f"{ns}:session:*"

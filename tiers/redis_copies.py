@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tiers.keys import tables_of
+
 
 @dataclass
 class Generation:
@@ -40,6 +42,10 @@ class Collected:
     gens: dict[str, int]
     pages: list[str]
     sweep: bool = False
+
+    def names(self) -> list[str]:
+        """The KV names to delete: the generations' tables and primary sets, then the page copies."""
+        return [*tables_of(self.gens), *self.pages]
 
 
 class RedisCopies:

@@ -184,11 +184,6 @@ class RedisTier:
 
         return self._run(session_id, op(), default=None)
 
-    def has_pages(self, session_id: str, page_ids: list[str]) -> bool:
-        """Whether Redis holds every one of these pages (their TTLs renewed; False if Redis is down)."""
-        found = self.renew_pages(session_id, page_ids)
-        return found is not None and all(found)
-
     def _account_write(self, session_id: str, written: dict[str, int]) -> None:
         with self._lock:
             sizes = self._sizes.setdefault(session_id, {})

@@ -1,7 +1,7 @@
-"""One session's KV in Redis, by generation: the one owner of how it is named, written, read back,
-committed, collected and removed. The cache policies that keep cold pages call ``write`` and
-``read``/``adopt``; the engine calls ``committed``, ``abandoned`` and ``delete`` when the session's
-record has settled.
+"""One session's KV in Redis, by generation: the one owner of how it is written, read back, committed
+and collected (a deleted session's keys go by its manifest, ``RedisTier.delete_session``). The cache
+policies that keep cold pages call ``write`` and ``read``/``adopt``; the engine calls ``committed`` or
+``abandoned`` when the session's record has settled.
 
 A persist writes a new generation: first the pages Redis lacks (pages never change, so generations
 share them), then the generation's own page tables and primary sets, ``<gen>.index-l<i>`` and
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from tiers.base import PageBatch, batch_nbytes
 from tiers.host import HostTier
-from tiers.keys import table_names
+from tiers.keys import table_names, tables_of
 
 __all__ = ["SessionKV", "StoredLayer", "table_names", "valid_ref"]
 
@@ -110,7 +110,7 @@ class SessionKV:
         if parsed is None or self.redis is None:
             return
         done = self.host.commit(self.sid, parsed[0])
-        names = [n for gen, layers in done.gens.items() for n in table_names(gen, layers)] + done.pages
+        names = done.names()
         if done.sweep:
             names += self._strays()
         self.redis.delete_pages(self.sid, names)
@@ -131,11 +131,5 @@ class SessionKV:
         if names is None:
             return []
         pages, gens = self.host.kept(self.sid)
-        keep = pages | {n for gen, layers in gens.items() for n in table_names(gen, layers)}
+        keep = pages | set(tables_of(gens))
         return sorted(names - keep)
-
-    def delete(self) -> bool:
-        """The session is deleted: its host slots go, and every KV key its manifest names. False when
-        Redis failed (the keys are left to their TTL)."""
-        self.host.forget_session(self.sid)
-        return self.redis.delete_session(self.sid) if self.redis is not None else True
