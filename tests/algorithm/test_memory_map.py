@@ -52,12 +52,22 @@ def redis_tier(redis_url):
     tier.close()
 
 
-def test_a_tiered_map_matches_the_cache_in_all_three_tiers(redis_tier):
+def test_a_tiered_map_matches_the_cache_in_all_three_tiers(redis_tier, monkeypatch):
     # 40 host pages for about 150 cold pages: most cold pages spill to Redis.
     host = HostTier(40 * PAGE_BYTES, redis_tier)
     tiers = TierContext(host, "map-tiered", TierPolicy(page_tokens=8, read_whole=0))
     cache = make_cache("tiered", SPEC, ROCKET, tiers=tiers)
     three_turns(cache, seed=3)
+
+    def moved(*args, **kwargs):
+        raise AssertionError("the memory map read, wrote or renewed a page: it is bookkeeping only")
+
+    # From here on no page may move or be read, in the host tier or in Redis, nor Redis be asked anything.
+    for name in ("read_many", "put_many", "free_many", "persist_many"):
+        monkeypatch.setattr(host, name, moved)
+    for name in ("get_pages", "put_pages", "renew_pages", "delete_pages", "manifest", "ping", "session_bytes"):
+        monkeypatch.setattr(redis_tier, name, moved)
+    monkeypatch.setattr(redis_tier, "_client", None)
     extra = 5  # a conversation longer than what was fed: the next turn's message
     mm = cache.memory_map(cache.history_len + extra)
     n = cache.history_len + extra
