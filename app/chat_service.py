@@ -133,11 +133,11 @@ class ChatService:
         if self.repository is not None:
             self.repository.forget(sid)
 
-    async def _persist(self, session: Session, quiet: bool = False) -> str | None:
+    async def _persist(self, session: Session) -> str | None:
         """Save the session (``SessionRepository.save``'s outcome; None without a store)."""
         digest = self.access.digest(session.id)
         if self.repository is not None and digest is not None:
-            return await self.repository.save(session, digest, quiet)
+            return await self.repository.save(session, digest)
         return None
 
     async def _drop_stale(self) -> None:

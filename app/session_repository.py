@@ -7,7 +7,9 @@ then page tables and primary set, ``tiers.session_kv``) and hands back its refer
 naming it in its ``kv``, is then written once by compare-and-set: the one commit point. Committed,
 the generations before it are collected; not committed (another version, a tombstone, or Redis
 failing), the generation is removed. A record thus names exactly one generation, written whole
-before it.
+before it, or none: when the KV's writes failed but the record's went through, the record holds the
+history without KV (superseding every generation) and the session is saved again, with its KV, once
+Redis takes it.
 
 Each save names the version it read (``versions``): a replica holding a stale copy (another one took
 the session over meanwhile) fails its save and learns that its copy must not serve again; a save that
@@ -45,6 +47,9 @@ class SessionRepository:
         # Store version each local session was last saved or loaded at; None = never saved, -1 = stale.
         self._versions: dict[str, int | None] = {}
         self._unsaved: set[str] = set()  # sessions whose latest state Redis does not have
+        # Sessions whose record holds their latest history but no KV (the persist failed, Redis failing
+        # while the record's own write went through): saved again, with the KV, until Redis takes it.
+        self._kv_missing: set[str] = set()
         self._save_locks: dict[str, asyncio.Lock] = {}  # one save of a session at a time
         self.deleted: set[str] = set()  # local sessions a save found deleted elsewhere: purge, never serve
 
@@ -60,26 +65,34 @@ class SessionRepository:
         self._versions.pop(sid, None)
         self._save_locks.pop(sid, None)
         self._unsaved.discard(sid)
+        self._kv_missing.discard(sid)
         self.deleted.discard(sid)
 
     def stored(self, sid: str) -> bool:
         """Redis has this session's latest state (so it may leave memory)."""
         return bool(self._versions.get(sid)) and sid not in self._unsaved
 
-    async def save(self, session: Session, digest: str, quiet: bool = False) -> str | None:
+    async def save(self, session: Session, digest: str, retry: bool = False) -> str | None:
         """Write the session's KV, then its record as the next version: ``SAVED``; ``MOVED`` or ``DELETED``
         when this copy is stale (it must not serve again); None when nothing was written (Redis
-        unreachable: kept in ``unsaved``; or a turn started meanwhile, whose end saves)."""
+        unreachable: kept in ``unsaved``; or a turn started meanwhile, whose end saves). ``retry``: saved
+        again by housekeeping, only as far as Redis still lacks it (a record holding the latest history
+        without KV is written again only with its KV)."""
         if session.busy:
             return None  # a turn started meanwhile: its end saves both together
         async with self._save_locks.setdefault(session.id, asyncio.Lock()):
             if session.busy:
                 return None  # a turn started while this waited for the lock (its cache may be mid-prefill)
+            quiet, kv_only = retry, retry and session.id not in self._unsaved
+            if kv_only and session.id not in self._kv_missing:
+                return None  # saved meanwhile
             expected = self._versions.get(session.id)
             if session.id in self.deleted or expected == -1:
                 self._unsaved.discard(session.id)  # a stale copy has nothing Redis should take
                 return DELETED if session.id in self.deleted else MOVED  # it must not serve again, nor write
             kv = await self.engine.persist(session.id)
+            if kv is None and kv_only and session.kv_unwritten:
+                return None  # Redis still takes no KV: the record as it is holds this history
             data, summ = record(session, digest, kv), summary(session, self.replica)
             try:
                 outcome = await self.store.save(data, summ, expected)
@@ -100,8 +113,11 @@ class SessionRepository:
                 return None
             await self.engine.kv_settled(session.id, kv, committed=outcome == SAVED)
             self._unsaved.discard(session.id)
+            self._kv_missing.discard(session.id)
             if outcome == SAVED:
                 self._versions[session.id] = (expected or 0) + 1
+                if session.kv_unwritten:
+                    self._kv_missing.add(session.id)
                 if quiet:
                     log.info("session %s saved again after a store outage", session.id)
                 with contextlib.suppress(Exception):  # fresh totals for /metrics; housekeeping pushes them anyway
@@ -118,13 +134,15 @@ class SessionRepository:
             return outcome
 
     async def save_unsaved(self, digest_of: Callable[[str], str | None]) -> None:
-        for sid in list(self._unsaved):
+        """Save again the sessions Redis lacks the latest state of, or only the KV of."""
+        for sid in [*self._unsaved, *(self._kv_missing - self._unsaved)]:
             session = self.engine.sessions.get(sid)
             digest = digest_of(sid)
             if session is None or digest is None:
                 self._unsaved.discard(sid)
+                self._kv_missing.discard(sid)
             elif not session.busy:  # a busy one is saved at the end of its turn anyway
-                await self.save(session, digest, quiet=True)
+                await self.save(session, digest, retry=True)
 
     async def refresh(self) -> tuple[list[str], list[str]]:
         """Compare the sessions held here with their records (one pipelined read): (those another replica

@@ -392,7 +392,7 @@ class HostTier:
         with self._lock:
             self.copies.adopt(session_id, gen, layers, page_ids)
 
-    def commit(self, session_id: str, gen: str) -> Collected:
+    def commit(self, session_id: str, gen: str | None) -> Collected:
         with self._lock:
             return self.copies.commit(session_id, gen)
 
@@ -413,9 +413,10 @@ class HostTier:
             self.copies.renewed(session_id)
 
     def kept(self, session_id: str) -> tuple[set[str], dict[str, int]]:
-        """The pages whose Redis copies this process still needs, and its generations (id -> layers)."""
+        """The pages whose Redis copies this process still needs (a page in a slot too: a spill or a persist
+        may be writing it), and its generations (id -> layers)."""
         with self._lock:
-            return self.copies.kept(session_id), self.copies.gens(session_id)
+            return self.copies.kept(session_id) | self._pages.get(session_id, set()), self.copies.gens(session_id)
 
     def where(self, session_id: str, page_id: str) -> str:
         key = (session_id, page_id)

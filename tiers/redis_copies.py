@@ -30,7 +30,9 @@ class _Session:
     copies: set[str] = field(default_factory=set)  # pages Redis is believed to hold
     gens: dict[str, Generation] = field(default_factory=dict)  # written or committed, oldest first
     waiting: set[str] = field(default_factory=set)  # freed pages whose copy a generation still names
-    sweep: bool = False  # adopted from a record: the first commit also clears what earlier holders left
+    # The first commit here also clears what earlier holders left (a replica killed after it wrote, or one
+    # whose record named no KV): a session is swept once per process that holds it.
+    sweep: bool = True
     committed: str | None = None  # the generation a record was last known here to name
     renewed_at: float | None = None  # when its pages were last all checked and renewed (None: not here)
 
@@ -114,11 +116,12 @@ class RedisCopies:
         s.sweep = True
         s.renewed_at = time.monotonic()  # the restore's existence check renewed every page it names
 
-    def commit(self, sid: str, gen: str) -> Collected:
+    def commit(self, sid: str, gen: str | None) -> Collected:
         """``gen``'s record was committed: the generations written before it, and the waiting copies no
-        remaining generation names, are collected."""
+        remaining generation names, are collected. ``None``: a record naming no KV (its persist failed)
+        was committed, which supersedes every generation here."""
         s = self._sessions.get(sid)
-        if s is None or gen not in s.gens:
+        if s is None or (gen is not None and gen not in s.gens):
             return Collected({}, [])
         older: dict[str, int] = {}
         for g in list(s.gens):

@@ -40,6 +40,10 @@ class StoredLayer:
     primary: PageBatch
 
 
+class KVNotWritten(RuntimeError):
+    """A generation's writes failed (what they wrote was removed): the record goes without KV for now."""
+
+
 def valid_ref(ref: dict) -> tuple[str, int] | None:
     """A record's generation reference as (gen, layers), or None where it is not one."""
     gen, layers = ref.get("gen"), ref.get("layers")
@@ -103,10 +107,10 @@ class SessionKV:
         self.host.adopt(self.sid, parsed[0], parsed[1], pages)
         return True
 
-    def committed(self, ref: dict) -> None:
+    def committed(self, ref: dict | None) -> None:
         """The record naming ``ref`` committed: remove the generations before it and the page copies
-        nothing names now."""
-        parsed = valid_ref(ref)
+        nothing names now. ``None``: a record naming no KV committed, superseding every generation."""
+        parsed = valid_ref(ref) if ref is not None else (None, 0)
         if parsed is None or self.redis is None:
             return
         done = self.host.commit(self.sid, parsed[0])

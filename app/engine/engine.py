@@ -192,9 +192,10 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
         self.host_tier.distrust(session_id)
 
     async def kv_settled(self, session_id: str, kv: dict | None, committed: bool) -> None:
-        """The record that names the KV generation ``kv`` committed (older generations are collected) or
-        did not (``kv``'s own generation is removed); off the event loop, since it talks to Redis."""
-        if kv is None or self.redis is None:
+        """The record that names the KV generation ``kv`` committed (older generations are collected; a
+        record with no KV supersedes them all) or did not (``kv``'s own generation is removed); off the
+        event loop, since it talks to Redis."""
+        if self.redis is None or (kv is None and not committed):
             return
         store = SessionKV(self.host_tier, session_id)
         await asyncio.to_thread(store.committed if committed else store.abandoned, kv)

@@ -21,6 +21,7 @@ from app.settings import Settings
 from rocketkv_mt.cache import SessionCache
 from rocketkv_mt.config import RocketKVConfig
 from tiers.redis_tier import RedisTier
+from tiers.session_kv import KVNotWritten
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +149,15 @@ class DeviceResidency:
         record it was parked or restored with while it has no cache; None when there is nothing to
         restore from (a mode that keeps no KV in Redis, Redis down, or a failure, logged here)."""
         cache = session.cache
+        session.kv_unwritten = False
         if cache is None:
             return session.parked_kv
         try:
             return cache.persist()
+        except KVNotWritten as exc:  # Redis failing: the record goes without KV, saved again with it later
+            log.warning("session %s: could not persist its KV (%s)", session.id, exc)
+            session.kv_unwritten = True
+            return None
         except Exception:  # noqa: BLE001 - the record then goes without KV: a restore re-prefills
             log.warning("session %s: could not persist its KV", session.id, exc_info=True)
             self._drop_if_broken(session, cache)

@@ -64,6 +64,9 @@ class Session:
     # "usage", "ttft_ms", "latency_ms", "replica"}): a turn sent again under the same idempotency key
     # is answered from here instead of running twice (``app.session_turns``). Kept for the service.
     last_turn: dict | None = None
+    # The last persist of its cache failed (Redis took none of its KV generation): the record saved with it
+    # names no KV, and the service saves again, with the KV, once Redis takes it.
+    kv_unwritten: bool = False
     busy: bool = False
     cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)

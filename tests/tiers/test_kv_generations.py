@@ -23,7 +23,7 @@ from tiers.host import HostTier
 from tiers.keys import kv_key, manifest_key, session_pattern
 from tiers.redis_client import RedisClient
 from tiers.redis_tier import RedisTier
-from tiers.session_kv import table_names
+from tiers.session_kv import KVNotWritten, table_names
 
 POLICY = TierPolicy(page_tokens=8)
 ROCKET = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
@@ -161,7 +161,9 @@ def test_a_persist_that_fails_half_way_removes_its_generation(private_redis, ns,
         return False if len(calls) - 1 == fail_at else original(self, sid, pages)
 
     monkeypatch.setattr(RedisTier, "put_pages", failing)
-    assert cache.persist() is None and len(calls) == fail_at + 1
+    with pytest.raises(KVNotWritten):
+        cache.persist()
+    assert len(calls) == fail_at + 1
     monkeypatch.setattr(RedisTier, "put_pages", original)
     assert tables_in(private_redis, ns) == set(table_names(v1["gen"], v1["layers"]))  # no part of a second one
     elsewhere = Process(private_redis.url, ns).restored(v1)

@@ -34,7 +34,7 @@ from rocketkv_mt.split_attention import attend_part, join_rows, merge
 from rocketkv_mt.standin import beside
 from tiers.cold_layer import ColdLayer
 from tiers.residency import ColdResidency
-from tiers.session_kv import StoredLayer
+from tiers.session_kv import KVNotWritten, StoredLayer
 
 
 class ReselectTiered(PrefillPolicy):
@@ -236,7 +236,8 @@ class ReselectTiered(PrefillPolicy):
     # --- persistence -------------------------------------------------------------------------
     def persist(self) -> dict | None:
         """Write a new KV generation (``tiers.session_kv``: new cold pages, page tables, the primary set)
-        and return its reference with what checks it; None if Redis is unavailable or a write failed."""
+        and return its reference with what checks it; None without Redis. A write that failed (what it
+        wrote is removed) raises ``KVNotWritten``: the caller's record then names no KV for now."""
         kv, cache = self.tiers.kv, self.cache
         if not kv.available:
             return None
@@ -246,7 +247,7 @@ class ReselectTiered(PrefillPolicy):
                   for cold, store in zip(self.cold, cache.layers)]
         got = kv.write(layers)
         if got is None:
-            return None
+            raise KVNotWritten("Redis did not take the KV generation")
         ref, written = got
         cache.traffic.redis_bytes_written += written
         return {**ref, "cold": [cold.snapshot() for cold in self.cold]}

@@ -1,0 +1,82 @@
+"""A record saved without KV (the persist failed while the record's own write went through, as right
+after a Redis outage) supersedes every earlier generation, is saved again with its KV once Redis takes
+it, and whoever restores it sweeps what earlier holders left: no key outlives what a record names.
+Real model, real (private) Redis."""
+from __future__ import annotations
+
+import secrets
+
+from replica_helpers import replica, turn
+
+from app.contract.ids import new_session_id
+from bench.soak_checks import orphan_keys
+from tiers.keys import session_key
+
+LONG = "The lighthouse keeper wrote about the storm, the gulls and the ships that passed by. " * 6
+
+
+def failing_kv_writes(service, monkeypatch) -> None:
+    """Every KV write to Redis fails; the record store's writes still go through."""
+    monkeypatch.setattr(service.engine.redis, "put_pages", lambda sid, pages: False)
+
+
+def tables(server, ns: str) -> set[str]:
+    return {k.decode() for k in server.client().scan_iter(match=f"{ns}:*.index-l*", count=1000)}
+
+
+async def test_a_record_without_kv_collects_older_generations_and_gets_its_kv_later(make_engine, private_redis,
+                                                                                  monkeypatch):
+    ns = f"rkvnokv-{secrets.token_hex(3)}"
+    a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
+    try:
+        sid = new_session_id()
+        token = (await a.create_session(sid, mode="tiered"))["token"]
+        await turn(a, sid, token, LONG)
+        first = await a.store.load(sid)
+        assert first[0]["kv"] is not None and tables(private_redis, ns)
+
+        with monkeypatch.context() as m:
+            failing_kv_writes(a, m)
+            await turn(a, sid, token, "What did the keeper write about?")
+            data, version = await a.store.load(sid)
+            assert data["kv"] is None and version == first[1] + 1  # the history is saved, without KV
+            assert tables(private_redis, ns) == set()  # the generation it superseded is gone
+            await a.repository.save_unsaved(a.access.digest)  # Redis still takes no KV: nothing written
+            assert (await a.store.load(sid))[1] == version
+
+        await a.repository.save_unsaved(a.access.digest)  # Redis takes KV again: saved with it
+        data, saved = await a.store.load(sid)
+        assert data["kv"] is not None and saved == version + 1
+        assert orphan_keys(private_redis.client(), ns) == []
+        await a.repository.save_unsaved(a.access.digest)  # nothing left to save
+        assert (await a.store.load(sid))[1] == saved
+
+        fed = a.engine.sessions[sid].fed_tokens
+        moved = await turn(b, sid, token, "And the gulls?")
+        assert moved.usage.prefilled_tokens == moved.usage.prompt_tokens - fed < 40  # its KV came back
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_restoring_a_record_without_kv_sweeps_what_its_earlier_holder_left(make_engine, private_redis,
+                                                                               monkeypatch):
+    ns = f"rkvnokv-{secrets.token_hex(3)}"
+    a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
+    try:
+        sid = new_session_id()
+        token = (await a.create_session(sid, mode="tiered"))["token"]
+        await turn(a, sid, token, LONG)
+        failing_kv_writes(a, monkeypatch)  # from here on a writes no KV (its retries neither)
+        await turn(a, sid, token, "What did the keeper write about?")
+        assert (await a.store.load(sid))[0]["kv"] is None
+        # a's live copy still needs its pages in Redis, which no record names; a stops here (as if killed)
+        left = orphan_keys(private_redis.client(), ns)
+        assert left and all(k.startswith(session_key(ns, sid)) for k in left)
+
+        await turn(b, sid, token, "And the gulls?")  # b re-prefills the history, then saves with its KV
+        assert (await b.store.load(sid))[0]["kv"] is not None
+        assert orphan_keys(private_redis.client(), ns) == []
+    finally:
+        await b.close()
+        await a.close()
