@@ -42,12 +42,18 @@ def forward(cache, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 def forward_layered(cache, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, max_new: int = 0,
                     rows: int = 32, on_group=None) -> list[torch.Tensor]:
-    """A first prompt fed layer by layer, as ``app.engine.layer_prefill`` feeds it: each layer's rows in
-    groups of ``rows``, ``on_group(cache)`` after each. Returns each layer's output (1, n, HQ, d)."""
+    """A prompt fed layer by layer, as ``app.engine.layer_prefill`` feeds it: each layer's rows in
+    groups of ``rows``, ``on_group(cache)`` after each; a later turn's layer takes the turn's keys and
+    values first, in groups, then its window rows. Returns each layer's output (1, n, HQ, d)."""
     n = inputs[0][0].shape[2]
+    later = cache.history_len > 0
     cache.begin_layered(n, max_new)
     outs = []
     for layer, (q, k, v) in enumerate(inputs):
+        if later:
+            for a in range(0, n, rows):
+                cache.layered_keys(layer, k[0, :, a:a + rows], v[0, :, a:a + rows])
+            cache.layered_window(layer, q[0, :, n - cache.layered_window_rows():], SCALING)
         parts = []
         for a in range(0, n, rows):
             b = min(n, a + rows)

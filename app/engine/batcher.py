@@ -166,8 +166,8 @@ class Batcher:
         raises that exception (or the cancellation)."""
         # Read while the session's turn holds its cache: no step touches it before this request runs (and
         # only for a prompt long enough to be split at all).
-        layered = 0 < self.prefill_chunk < len(ids) and by_layer(
-            cache.history_len, len(ids), self.prefill_chunk, self.runner.layerable and cache.last_chunk_min() is not None)
+        layered = 0 < self.prefill_chunk < len(ids) and self.runner.layerable and by_layer(
+            cache.history_len, len(ids), self.prefill_chunk, cache.last_chunk_min() is not None, cache.layers_later())
         return await self._request(Request(key, cache, list(ids), prefill=True, max_new=max_new, gate=gate,
                                            sampler=sampler, by_layer=layered))
 

@@ -1,5 +1,5 @@
-"""A long first turn's prefill fed layer by layer, so a session's device memory never holds its whole
-prompt in every layer at once.
+"""A long prefill fed layer by layer, so a session's device memory never holds its whole prompt in
+every layer at once: a first turn's, or a later one's where the cache feeds later turns so.
 
 The model runs one decoder layer over the whole prompt, in groups of ``rows`` query rows, before the
 next layer; the prompt's hidden states (1, n, hidden) are carried from layer to layer, each group's
@@ -11,6 +11,11 @@ tokens leave the device). The result is the whole prefill's, up to float roundin
 changes how the kernels block their sums): every row attends to what it would have, and each layer
 selects from the same inputs. While it runs, a layer holds at most its
 own whole prompt, the layers before it their selections, and the layers after it nothing new.
+
+A later turn (``SessionCache.layers_later``: ``tiered``, whose rows also attend over the cold pages the
+layer's window rows pick) runs each layer in two passes: first the keys and values of the whole turn,
+in groups, computed from the layer's input (its norm and key/value projections, rotated), and the
+window rows' queries, which pick the pages and Stage 1's choice; then the rows in groups, as above.
 
 ``advance`` does groups until a deadline, so the model thread can run other sessions' decode steps
 between two calls (``app.engine.batcher``); while they wait (``fit``), a group is sized on what the
@@ -38,6 +43,18 @@ ROW_EMA = 0.5  # weight of the newest group in the running cost of a row
 LAYERED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
 
+def heads(proj: torch.nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A projection of x (1, r, hidden) split into heads: (1, H, r, head_dim), as the attention module does."""
+    return proj(x).view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (1, H, r, d) at the rows' ``cos``/``sin`` (1, r, d), as Llama's layout applies it."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 class LayerPrefill:
     """One prompt fed layer by layer into ``cache`` (which must be empty) by ``model``."""
 
@@ -48,6 +65,8 @@ class LayerPrefill:
         self.model, self.cache, self.rows = model, cache, rows
         self.n = len(ids)
         self.layer, self.offset = 0, 0  # the next group: its layer and first row
+        self.keys_first = cache.history_len > 0  # a later turn: each layer takes the turn's keys first
+        self.keyed = False  # the running layer holds the whole turn's keys (its rows come next)
         self.row_s: float | None = None  # running cost of a row (seconds), to size groups on a deadline
         inner = model.model
         device = inner.embed_tokens.weight.device
@@ -79,17 +98,41 @@ class LayerPrefill:
         fed. ``wait``: the group has run on the device before this returns (so its time is the group's)."""
         t0 = time.perf_counter()
         a = self.offset
+        if self.keys_first and not self.keyed:
+            return self._feed_keys(a, min(a + self.rows, self.n), wait)
         b = min(a + (rows or self.rows), self.n)
         self.hidden[:, a:b] = self.model.model.layers[self.layer](
             self.hidden[:, a:b], attention_mask=None, position_ids=self.position_ids[:, a:b],
             position_embeddings=(self.cos[:, a:b], self.sin[:, a:b]), rkv_cache=self.cache,
         )
         self.layer, self.offset = (self.layer + 1, 0) if b == self.n else (self.layer, b)
+        self.keyed = self.keyed and b < self.n
         if wait:
             self._wait()
         row_s = (time.perf_counter() - t0) / (b - a)
         self.row_s = row_s if self.row_s is None else (1 - ROW_EMA) * self.row_s + ROW_EMA * row_s
         return b - a
+
+    def _feed_keys(self, a: int, b: int, wait: bool) -> int:
+        """A later turn's running layer: the keys and values of rows ``a:b`` into the cache; after the
+        last rows, the window rows' queries. Projections only (no attention): groups of ``rows``."""
+        layer = self.model.model.layers[self.layer]
+        attn = layer.self_attn
+        k = rotated(heads(attn.k_proj, layer.input_layernorm(self.hidden[:, a:b]), attn.head_dim),
+                    self.cos[:, a:b], self.sin[:, a:b])
+        v = heads(attn.v_proj, layer.input_layernorm(self.hidden[:, a:b]), attn.head_dim)
+        self.cache.layered_keys(self.layer, k[0], v[0])
+        if b == self.n:
+            w = self.cache.layered_window_rows()
+            q = rotated(heads(attn.q_proj, layer.input_layernorm(self.hidden[:, -w:]), attn.head_dim),
+                        self.cos[:, -w:], self.sin[:, -w:])
+            self.cache.layered_window(self.layer, q[0], attn.scaling)
+            self.keyed, self.offset = True, 0
+        else:
+            self.offset = b
+        if wait:
+            self._wait()
+        return 0  # no row has been through the layer yet
 
     def _group(self, deadline: float | None, now: float) -> int:
         """Rows of the next group: ``rows``, or with a deadline as many as fit before it at the running

@@ -95,7 +95,11 @@ class DeviceMemory:
         return TurnSize(
             fed=fed, kept=kept, new=n, total=total, decode=m, split=session.rocket.split(total, m, self.head_dim),
             token_bytes=self.per_token, layer_bytes=self.per_layer_token,
-            chunked=0 < prefill_chunk < n and not by_layer(fed, n, prefill_chunk, self.layered),
+            # A later turn is fed layer by layer only by a mode that does so once cold pages exist (not
+            # known: counted as chunked, the larger reservation).
+            chunked=0 < prefill_chunk < n and not by_layer(
+                fed, n, prefill_chunk, self.layered,
+                self.layered and bool(cold_pages) and cache_mode(session.mode).layers_later(self.tiers)),
             cold_pages=cold_pages,
         )
 

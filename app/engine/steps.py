@@ -61,11 +61,12 @@ class Request:
         return Segment(self.cache, self.ids[self.fed : self.fed + n], self.prefill, self.max_new, rest)
 
 
-def by_layer(history_len: int, n_new: int, prefill_chunk: int, splittable: bool) -> bool:
-    """Whether a prefill is fed layer by layer (``app.engine.layer_prefill``): a session's first (or
-    rebuilt) prompt longer than one step's ``prefill_chunk``, where the model's layout and the cache
-    allow it (``splittable``; a cache that cannot split its prefill feeds it whole)."""
-    return splittable and history_len == 0 and 0 < prefill_chunk < n_new
+def by_layer(history_len: int, n_new: int, prefill_chunk: int, first: bool, later: bool) -> bool:
+    """Whether a prefill is fed layer by layer (``app.engine.layer_prefill``): a prompt longer than one
+    step's ``prefill_chunk``, into an empty (or rebuilt) cache where ``first`` (the model's layout allows
+    it and the cache can split its prefill), or into one holding history where ``later`` (its prefill
+    policy feeds later turns so, ``SessionCache.layers_later``); others are fed in chunks or whole."""
+    return 0 < prefill_chunk < n_new and (later if history_len else first)
 
 
 def take(

@@ -92,16 +92,35 @@ class SessionCache(Protocol):
     def end_forward(self) -> None: ...
 
     def begin_layered(self, n_new: int, max_new: int = 0) -> None:
-        """Start feeding an empty cache's first prompt of ``n_new`` tokens layer by layer: ``attend``
-        then takes each layer's rows in groups, in order, and selects after the layer's last one."""
+        """Start feeding ``n_new`` tokens layer by layer (an empty cache's first prompt, or a later one
+        where ``layers_later``): ``attend`` then takes each layer's rows in groups, in order, and selects
+        after the layer's last one."""
         ...
 
     def end_layered(self) -> None:
         """Every layer has had the whole prompt: the prefill ends as a whole one does."""
         ...
 
+    def layers_later(self) -> bool:
+        """Whether this cache, holding history, feeds its next prefill layer by layer, each layer's keys
+        first (``layered_keys``, then ``layered_window``, then the rows)."""
+        ...
+
+    def layered_keys(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A later turn fed layer by layer: the next keys and values (Hkv, r, d) of the turn in ``layer``."""
+        ...
+
+    def layered_window_rows(self) -> int:
+        """How many of the turn's last rows are its window."""
+        ...
+
+    def layered_window(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
+        """A later turn fed layer by layer: the layer's window rows (Hq, w), once it holds the turn's keys."""
+        ...
+
     def undo_layered(self) -> None:
-        """Take back a prefill fed layer by layer, between two groups: the cache is empty again."""
+        """Take back a prefill fed layer by layer, between two groups: the cache is empty again (a later
+        turn's: released, its history kept, marked ``broken``: rebuilt at the next turn)."""
         ...
 
     def last_chunk_min(self) -> int | None:

@@ -16,6 +16,12 @@ group's keys and values join the layer's store and its queries attend densely ov
 the whole prefill's rows attend to); after the layer's last group the prefill policy selects at once,
 with the layer's window queries, so a layer holds its whole prompt only while it is the one running.
 ``undo_layered`` takes such a prefill back: the cache is empty again, as before it.
+
+A later turn is fed layer by layer where the prefill policy says so (``PrefillPolicy.layered_turn``:
+``tiered``, whose rows also attend over cold pages that the window rows pick): each layer takes the
+whole turn's keys first (``layered_keys``), then its window rows (``layered_window``), then the rows
+in groups. Taken back half way, the layers before had re-selected already: the cache is released and
+marked broken, its history kept, so the session's next turn rebuilds it as it was (``app.engine.replay``).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from rocketkv_mt.cache.base import AttentionTimer, CacheBroken, CacheSpec, Forwa
 from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.cache.memory_map import MemoryMap, map_summary, memory_map
 from rocketkv_mt.cache.mode import CacheMode
+from rocketkv_mt.cache.policy import LayeredTurn
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext
 from rocketkv_mt.config import BudgetSplit, RocketKVConfig
@@ -61,6 +68,10 @@ class ComposedCache:
         self._window_tail: dict[int, torch.Tensor] = {}
         # While a prefill fed layer by layer is under way: per layer, the prompt's tokens it has had so far.
         self._layered: list[int] | None = None
+        # A later turn fed layer by layer: the policy's part (None otherwise), and per layer the turn's
+        # tokens whose keys and values its store holds (they come before its rows).
+        self._later: LayeredTurn | None = None
+        self._keyed: list[int] = []
         self.decode = mode.decode(spec)
         self.prefill = mode.prefill(self, tiers)
 
@@ -91,13 +102,23 @@ class ComposedCache:
             self._chunked_from = None
         self.step = None
 
+    def layers_later(self) -> bool:
+        """Whether a later turn's prefill may be fed layer by layer (``begin_layered`` with history)."""
+        return self.history_len > 0 and self.prefill.layered_turn() is not None
+
     def begin_layered(self, n_new: int, max_new: int = 0) -> None:
-        """Start a first turn's prefill of ``n_new`` tokens fed layer by layer: from now until
-        ``end_layered``, ``attend`` takes each layer's rows in groups (any number of tokens, in order)."""
-        if self.history_len or self.step is not None or not self.prefill.chunkable():
-            raise RuntimeError("only an empty cache whose prefill may be split is fed layer by layer")
+        """Start a prefill of ``n_new`` tokens fed layer by layer: from now until ``end_layered``,
+        ``attend`` takes each layer's rows in groups (any number of tokens, in order). A later turn's
+        layer takes the turn's keys and values first (``layered_keys``), then its window rows
+        (``layered_window``)."""
+        if self.step is not None:
+            raise RuntimeError("a forward is under way")
+        later = self.prefill.layered_turn() if self.history_len else None
+        if self.history_len and later is None or not self.history_len and not self.prefill.chunkable():
+            raise RuntimeError("this cache's next prefill cannot be fed layer by layer")
         self.begin_forward(n_new, prefill=True, max_new=max_new)
         self._layered = [0] * self.spec.num_layers
+        self._later, self._keyed = later, [0] * self.spec.num_layers
 
     def end_layered(self) -> None:
         """Every layer has had the whole prompt (and selected): the prefill ends as a whole one does."""
@@ -105,15 +126,43 @@ class ComposedCache:
         short = [i for i, fed in enumerate(self._layered) if fed != self.step.n_new]
         if short:
             raise RuntimeError(f"layers {short} have not had the whole prompt")
-        self._layered = None
+        self._layered, self._later = None, None
         self.end_forward()
+
+    def layered_keys(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A later turn fed layer by layer: the keys and values (Hkv, r, d) of its next ``r`` tokens join
+        the layer's store, before any of its rows attends."""
+        fed, n, total = self._keyed[layer], k.shape[1], self.step.n_new
+        if self._later is None or self._layered[layer] or fed + n > total:
+            raise RuntimeError(f"layer {layer}: keys out of turn ({fed} + {n} of {total})")
+        store = self.layers[layer]
+        if fed == 0:
+            store.reserve(store.length + total)  # the layer's turn, in place: no copy as it grows
+        start = self.history_len + fed
+        store.append(k, v, torch.arange(start, start + n, device=self.spec.device))
+        self._keyed[layer] = fed + n
+
+    def layered_window_rows(self) -> int:
+        """How many of the turn's last rows are its window (``layered_window``)."""
+        return min(self.split.window_size, self.step.n_new)
+
+    def layered_window(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
+        """A later turn fed layer by layer: the layer's store holds the whole turn; its window rows
+        (Hq, w, d) pick what its rows attend to besides the device, and Stage 1's choice."""
+        if self._later is None or self._keyed[layer] != self.step.n_new:
+            raise RuntimeError(f"layer {layer}: the window comes after the whole turn's keys")
+        self._later.window(layer, q_win, scaling)
 
     @torch.inference_mode()
     def undo_layered(self) -> None:
-        """Take back a prefill fed layer by layer (between two groups): the cache starts afresh, empty,
-        as it was before that first turn; what earlier layers demoted to the cold tiers is freed."""
+        """Take back a prefill fed layer by layer (between two groups). A first turn's cache starts
+        afresh, empty, as it was before it; what earlier layers demoted to the cold tiers is freed. A
+        later turn's earlier layers re-selected already: the cache is released too, but keeps its history
+        and is marked broken, so that the next turn rebuilds it from the history (``app.engine.replay``)."""
         if self._layered is None:
             return
+        later, history = self._later is not None, self.history_len
+        self._later = None
         self.prefill.release()
         self.layers = self._fresh_layers()
         self._layered, self.step, self.split, self.history_len, self.readmitted = None, None, None, 0, 0
@@ -121,6 +170,8 @@ class ComposedCache:
         self.traffic.reset()
         self.decode = self._mode.decode(self.spec)
         self.prefill = self._mode.prefill(self, self._tiers)
+        if later:
+            self.history_len, self.broken = history, True
 
     def _fresh_layers(self) -> list[LayerKV]:
         return [LayerKV(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, self.spec.device)
@@ -239,6 +290,14 @@ class ComposedCache:
         fed, n, total = self._layered[layer], k.shape[1], self.step.n_new
         if fed + n > total:
             raise ValueError(f"layer {layer}: {fed + n} of a {total}-token prompt fed")
+        if self._later is not None:  # its keys and values are in the store already (``layered_keys``)
+            if self._keyed[layer] != total:
+                raise RuntimeError(f"layer {layer}: rows before the whole turn's keys")
+            out = self._later.rows(layer, q, fed)
+            self._layered[layer] = fed + n
+            if fed + n == total:
+                self._later.end(layer)
+            return out
         store = self.layers[layer]
         if fed == 0:
             store.reserve(store.length + total)  # the layer's prompt, in place: no copy as it grows

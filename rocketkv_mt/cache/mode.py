@@ -19,6 +19,10 @@ class CacheMode:
         prefill needs; ``tiers``: the engine's cold-tier policy (only the modes that keep cold tokens read it)."""
         return self.prefill.bound(turn, tiers) + self.decode.bound(turn, self.prefill.decode_tokens(turn))
 
+    def layers_later(self, tiers: TierPolicy) -> bool:
+        """Whether a later turn's prefill is fed layer by layer (``PrefillPolicy.layers_later``)."""
+        return self.prefill.layers_later(tiers)
+
     def cold_pages_written(self, turn: TurnSize, tiers: TierPolicy) -> int:
         """Upper bound of the cold pages ``turn`` writes per KV head and layer (each head pads its last)."""
         return math.ceil(self.prefill.cold_tokens_written(turn) / tiers.page_tokens)

@@ -59,6 +59,19 @@ class TurnSize:
         return (self.token_bytes if self.chunked else self.layer_bytes) * self.new
 
 
+class LayeredTurn(Protocol):
+    """A later turn's prefill fed layer by layer, keys first (``ComposedCache.begin_layered``): once a
+    layer's store holds the whole turn, ``window`` with its window rows (Hq, w, d); then ``rows`` for each
+    group of rows (Hq, r, d) in order, from turn row ``first_row``, giving their attention (Hq, r, d);
+    then ``end``, before the next layer runs."""
+
+    def window(self, layer: int, q_win: torch.Tensor, scaling: float) -> None: ...
+
+    def rows(self, layer: int, q: torch.Tensor, first_row: int) -> torch.Tensor: ...
+
+    def end(self, layer: int) -> None: ...
+
+
 class CacheState(Protocol):
     """What a policy reads and updates of the cache that composes it."""
 
@@ -164,6 +177,17 @@ class PrefillPolicy(Protocol):
         """Whether the next prefill may be fed in chunks: its earlier chunks attend densely over the
         layer stores, which must then hold all that the whole prefill's queries would attend to."""
         return True
+
+    @staticmethod
+    def layers_later(tiers: TierPolicy) -> bool:
+        """Whether a later turn's prefill (into a cache that holds history) that cannot be fed in chunks
+        (``chunkable``) is fed layer by layer, its keys first (``layered_turn``), rather than whole."""
+        return False
+
+    def layered_turn(self) -> LayeredTurn | None:
+        """What feeds this later turn layer by layer (``window``, ``rows``, ``end`` of each layer), where
+        ``layers_later``; None otherwise."""
+        return None
 
     def before_step(self, layer: int) -> None:
         """Before a layer's new keys and values are appended to its store."""

@@ -108,10 +108,11 @@ def test_taken_back_half_way_the_cache_is_as_new(mode):
         cache.release()
 
 
-def test_only_an_empty_cache_is_fed_layer_by_layer():
+def test_a_cache_with_history_is_fed_layer_by_layer_only_where_its_policy_says_so():
     cache, _ = _pair("rocketkv", "refuse")
     forward(cache, layer_inputs(torch.Generator().manual_seed(8), 20), prefill=True, max_new=2)
-    with pytest.raises(RuntimeError, match="empty cache"):
+    assert not cache.layers_later()  # its later turns are fed in chunks
+    with pytest.raises(RuntimeError, match="cannot be fed layer by layer"):
         cache.begin_layered(100, 2)
     cache.release()
 

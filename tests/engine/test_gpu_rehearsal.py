@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_bundle
+from bench import gpu_bundle, gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("ray", "fastapi", "uvicorn", "websockets", "gguf", "starlette")
@@ -101,6 +101,11 @@ def test_the_check_runs_where_only_the_image_and_the_bundle_are(bundle, tmp_path
     version = subprocess.run([*python, "import transformers; print(transformers.__version__)"], env=env, cwd=tree,
                              capture_output=True, text=True, check=True).stdout.strip()
     assert version == __import__("transformers").__version__
+    # The kernel tests, which run only on CUDA there, at least collect in such an environment.
+    collect = subprocess.run([sys._base_executable, "-S", "-m", "pytest", "--collect-only", "-q", "-p",
+                              "no:cacheprovider", "-m", "kernel", *gpu_check.KERNEL_TESTS], env=env, cwd=tree,
+                             capture_output=True, text=True, timeout=300)
+    assert collect.returncode == 0 and " collected" in collect.stdout, collect.stdout[-2000:] + collect.stderr[-2000:]
 
 
 def test_a_wheel_missing_from_the_bundle_is_named(bundle, tmp_path):

@@ -31,7 +31,7 @@ def run_turn(
 ) -> tuple[int, int, int, int]:
     """One turn as the engine runs it (the last generated token is fed by the next turn's prefill), its
     prefill fed where the cache allows it layer by layer in groups of ``chunk`` rows (a first prompt
-    longer than ``chunk``), else in chunks of ``chunk`` tokens, the last one keeping at least a window
+    longer than ``chunk``, or a later one where the mode feeds later turns so: ``tiered``), else in chunks of ``chunk`` tokens, the last one keeping at least a window
     (as ``app.engine.steps.piece`` splits it); returns (the mode's declared bound, the memory model's
     bound, the peak device bytes seen, the chunks or groups fed before the last)."""
     cache = session.cache
@@ -46,7 +46,7 @@ def run_turn(
 
     fed = len(session.token_ids) - cache.history_len
     last, chunks = cache.last_chunk_min(), 0
-    if by_layer(cache.history_len, fed, chunk, last is not None):
+    if by_layer(cache.history_len, fed, chunk, last is not None, cache.layers_later()):
         forward_layered(cache, layer_inputs(gen, fed), max_new=max_new, rows=chunk, on_group=measure)
         chunks, fed = SPEC.num_layers * -(-fed // chunk) - 1, 0
     while chunk and last is not None and fed > chunk and min(chunk, fed - last) > 0:

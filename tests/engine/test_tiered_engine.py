@@ -251,13 +251,13 @@ async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(m
     # settles there, while the session is free for its next turn at once.
     engine = make_engine(mode="tiered", token_budget=128, digest_read_whole=0)
     applied = []
-    apply = ReselectTiered._apply
+    apply = ReselectTiered.apply
 
     def recording(self, layer, p):
         applied.append(threading.current_thread().name)
         return apply(self, layer, p)
 
-    monkeypatch.setattr(ReselectTiered, "_apply", recording)
+    monkeypatch.setattr(ReselectTiered, "apply", recording)
     session = engine.create_session()
     await engine.complete(session.id, FIRST, PARAMS)
     applied.clear()

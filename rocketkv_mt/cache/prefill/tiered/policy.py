@@ -25,10 +25,11 @@ from rocketkv_mt.cache.policy import CacheState, PrefillPolicy
 from rocketkv_mt.cache.prefill.tiered import bounds
 from rocketkv_mt.cache.prefill.tiered.apply import reorganise
 from rocketkv_mt.cache.prefill.tiered.choice import choose as choose_selection
+from rocketkv_mt.cache.prefill.tiered.layered import TieredLayeredTurn
 from rocketkv_mt.cache.prefill.tiered.pending import Choosing, Pending, Settling
 from rocketkv_mt.cache.prefill.tiered.reads import ColdReads
 from rocketkv_mt.cache.store import LayerKV
-from rocketkv_mt.cache.tier_context import TierContext
+from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 from rocketkv_mt.dispatch import reselect
 from rocketkv_mt.split_attention import attend_part, join_rows, merge
 from rocketkv_mt.standin import beside
@@ -54,6 +55,7 @@ class ReselectTiered(PrefillPolicy):
         ]
         self._pending: list[Pending | Choosing | Settling | None] = [None] * spec.num_layers
         self.reads = ColdReads(cache, tiers, self.cold)
+        self.layered = TieredLayeredTurn(self)  # a later turn fed layer by layer (``layered_turn``)
 
     # --- turns -------------------------------------------------------------------------------
     def begin_turn(self) -> None:
@@ -66,6 +68,15 @@ class ReselectTiered(PrefillPolicy):
         # The cold pages a turn reads, and with ``selected`` what every new token attends to, follow
         # from the turn's last window: earlier chunks could not attend as the whole prefill does.
         return self.tiers.policy.prefill_attention != "selected" and not any(cold.has_pages() for cold in self.cold)
+
+    @staticmethod
+    def layers_later(tiers: TierPolicy) -> bool:
+        # With ``selected`` every row attends to the turn's selection only, which the last window makes.
+        return tiers.prefill_attention != "selected"
+
+    def layered_turn(self) -> TieredLayeredTurn | None:
+        # Nothing cold yet: the turn is fed in chunks, which can be taken back exactly.
+        return self.layered if self.layers_later(self.tiers.policy) and not self.chunkable() else None
 
     def before_step(self, layer: int) -> None:
         if self._pending[layer] is not None:  # the first decode step: the turn's selection takes effect
@@ -124,7 +135,7 @@ class ReselectTiered(PrefillPolicy):
             self._pending[layer] = Settling(transfers.start(partial(self._choose_and_apply, layer, choose)), cand,
                                             transfers)
         elif policy.prefill_attention == "selected" or whole:
-            self._apply(layer, choose())
+            self.apply(layer, choose())
         elif transfers is not None and transfers.pays(True):
             # The first token needs only this attention: Stage 1's choice over it runs on the page reader
             # while this thread goes on with the next layer, which waits for it before reading its own
@@ -166,13 +177,14 @@ class ReselectTiered(PrefillPolicy):
         pending, self._pending[layer] = self._pending[layer], None
         p = pending.chosen()
         if p is not None:
-            self._apply(layer, p)
+            self.apply(layer, p)
 
-    def _apply(self, layer: int, p: Pending) -> None:
+    def apply(self, layer: int, p: Pending) -> None:
+        """Apply a chosen re-selection to the layer (``_reorganise``)."""
         self._reorganise(layer, p.slots, p.positions, p.scores, p.cand)
 
     def _choose_and_apply(self, layer: int, choose) -> None:
-        self._apply(layer, choose())
+        self.apply(layer, choose())
 
     def _settles_beside(self, layer: int) -> bool:
         """Whether a layer read whole applies its choice on the page reader, beside the next layer's
@@ -203,7 +215,7 @@ class ReselectTiered(PrefillPolicy):
     # --- memory ------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """The pages read back and held until their layer settles, and a next layer's read once done."""
-        return sum(p.nbytes() for p in self._pending if p is not None) + self.reads.nbytes()
+        return sum(p.nbytes() for p in self._pending if p is not None) + self.reads.nbytes() + self.layered.nbytes()
 
     # The memory model's bounds of a turn (``bounds``).
     bound = staticmethod(bounds.bound)
@@ -226,6 +238,7 @@ class ReselectTiered(PrefillPolicy):
 
     def release(self) -> None:
         self.reads.forget()
+        self.layered.drop()
         for pending in self._pending:  # what a step that failed left on the page reader ends first
             if pending is not None:
                 pending.end()

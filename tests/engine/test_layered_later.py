@@ -1,0 +1,107 @@
+"""A long later message of a ``tiered`` session with cold pages, fed layer by layer through the engine
+(``app.engine.layer_prefill``, keys first): the same replies as a whole prefill, in slices between other
+sessions' steps; stopped between two slices (a cancel, a disconnect, a device-memory refusal), the turn
+is undone, the session keeps its history and its next turn rebuilds the cache and goes as if the stopped
+one had never been sent."""
+import asyncio
+
+import pytest
+import torch
+
+from app.engine import batcher as batcher_module
+from app.engine.errors import DeviceMemoryExhausted
+from app.engine.sampling import SamplingParams
+import turn_helpers
+from turn_helpers import message, reply_ids
+
+pytestmark = pytest.mark.slow
+CHUNK = 64
+PARAMS = SamplingParams(max_tokens=8)
+
+
+async def run_turn(engine, sid, text):
+    return await turn_helpers.run_turn(engine, sid, text, PARAMS)
+
+
+async def with_cold_pages(engine, session) -> None:
+    await run_turn(engine, session.id, message(engine, 21, 230))
+    assert session.cache.cold_pages() > 0 and session.cache.layers_later()
+
+
+async def test_a_long_later_message_is_fed_layer_by_layer_as_a_whole_prefill_would(make_engine):
+    whole, engine = make_engine(prefill_chunk=0), make_engine(prefill_chunk=CHUNK)
+    later, third = message(engine, 22, 230), "And in one word?"
+    replies = []
+    for e in (whole, engine):
+        session = e.create_session(mode="tiered", budget=64)
+        await with_cold_pages(e, session)
+        slices = e.batcher.stats.layered_slices
+        done = await run_turn(e, session.id, later)
+        replies.append((reply_ids(session, done), reply_ids(session, await run_turn(e, session.id, third)),
+                        [store.positions for store in session.cache.layers], e.batcher.stats.layered_slices - slices))
+    (a, a3, a_pos, a_slices), (b, b3, b_pos, b_slices) = replies
+    assert a_slices == 0 and b_slices > 1  # the whole engine fed it in one step; this one layer by layer
+    assert a == b and a3 == b3
+    for x, y in zip(a_pos, b_pos):
+        assert torch.equal(x, y)
+    stats = engine.stats()
+    assert stats["device_reservation_overruns"] == 0
+
+
+@pytest.mark.parametrize("how", ["cancel", "disconnect", "refusal"])
+async def test_a_later_message_stopped_between_slices_leaves_the_history_as_before(make_engine, monkeypatch, how):
+    monkeypatch.setattr(batcher_module, "ALONE_SLICE_S", 0.01)
+    engine = make_engine(prefill_chunk=CHUNK, device_budget_bytes=8 * 1024**3)
+    reference, stopped = (engine.create_session(mode="tiered", budget=64) for _ in range(2))
+    for session in (reference, stopped):
+        await with_cold_pages(engine, session)
+    messages, token_ids, fed = list(stopped.messages), list(stopped.token_ids), stopped.cache.history_len
+    loop = asyncio.get_running_loop()
+    fired = []
+    after_step = engine.batcher.on_step
+    slices = engine.batcher.stats.layered_slices
+    later = message(engine, 23, 230)
+    task = asyncio.ensure_future(run_turn(engine, stopped.id, later))
+    if how == "refusal":
+        monkeypatch.setattr(engine.memory_account, "turn_bound", lambda *args, **kwargs: 1)
+
+    def on_step(keys):
+        after_step(keys)
+        # After a few slices: some layers have re-selected (demoted to and promoted from the cold tiers).
+        if stopped.id in keys and engine.batcher.stats.layered_slices > slices + 3 and not fired:
+            fired.append(True)
+            if how == "cancel":
+                engine.cancel(stopped.id)
+            elif how == "disconnect":
+                loop.call_soon_threadsafe(task.cancel)
+
+    engine.batcher.on_step = on_step
+    try:
+        if how == "cancel":
+            done = await task
+            assert done.finish_reason == "cancelled" and done.usage.generated_tokens == 0
+        elif how == "disconnect":
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(DeviceMemoryExhausted):
+                await task
+    finally:
+        engine.batcher.on_step = after_step
+        monkeypatch.undo()
+    assert (fired or how == "refusal") and engine.batcher.stats.prefills_stopped == 1
+    assert not stopped.busy and stopped.id not in engine.memory_account.reserved
+    assert stopped.messages == messages and stopped.token_ids == token_ids
+    assert stopped.cache.history_len == fed
+    if how != "refusal":  # (a refusal comes before the first slice: the cache is untouched)
+        # Half re-selected, the cache cannot be taken back: it is released and rebuilt from the history.
+        assert stopped.cache.broken
+        assert stopped.cache.device_bytes() == 0 and stopped.cache.tier_bytes()["host"] == 0
+
+    # The same message again goes exactly as in a session that never saw the stopped one.
+    done_ref = await run_turn(engine, reference.id, later)
+    done_stopped = await run_turn(engine, stopped.id, later)
+    assert reply_ids(stopped, done_stopped) == reply_ids(reference, done_ref)
+    assert stopped.cache.kept_tokens() == reference.cache.kept_tokens()
+    for x, y in zip(stopped.cache.layers, reference.cache.layers):
+        assert torch.equal(x.positions, y.positions)
