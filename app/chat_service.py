@@ -43,6 +43,7 @@ STATS_PUSH_S = 5.0
 # A delete still logged this long after it began lost its replica half way: any replica finishes it.
 DELETE_GRACE_S = 10.0
 TICK_S = 1.0  # housekeeping period: unsaved sessions are retried this often while Redis is down
+SWEEP_S = 5.0  # how often what dead KV writers left is looked for (``SessionRepository.sweep_dead_writers``)
 
 
 class ChatService:
@@ -92,7 +93,7 @@ class ChatService:
         task.add_done_callback(self._tasks.discard)
 
     async def _housekeeping(self) -> None:
-        last_push = 0.0
+        last_push = last_sweep = 0.0
         while True:
             try:
                 if self.repository is not None:
@@ -101,6 +102,10 @@ class ChatService:
                     await self.repository.save_unsaved(self.access.digest)
                     await self._drop_stale()
                     await self._finish_deletes()
+                    await self.repository.keep_alive()
+                    if time.monotonic() - last_sweep >= SWEEP_S:
+                        last_sweep = time.monotonic()
+                        await self.repository.sweep_dead_writers()
                     if time.monotonic() - last_push >= STATS_PUSH_S:
                         last_push = time.monotonic()
                         await self.repository.push_stats()

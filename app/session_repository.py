@@ -33,6 +33,7 @@ from app.engine.engine import Engine
 from app.engine.session import Session
 from app.session_restore import record, restore, summary
 from app.session_store import DELETED, MOVED, SAVED, TOMBSTONE, SessionStore
+from tiers.session_kv import sweep_dead_writer
 
 log = logging.getLogger(__name__)
 STATS_TTL_S = 20
@@ -165,6 +166,29 @@ class SessionRepository:
                 stale.append(sid)
         self.deleted.update(deleted)
         return stale, deleted
+
+    async def keep_alive(self) -> None:
+        """Say this process's KV writer lives (``tiers.redis_tier``; what it writes is not swept)."""
+        if self.engine.redis is not None:
+            await asyncio.to_thread(self.engine.redis.keep_alive)
+
+    async def sweep_dead_writers(self) -> int:
+        """Delete what writers that died (a replica killed mid-turn) left of sessions and their records do
+        not name, so that no key outlives what a record names; the names deleted."""
+        redis = self.engine.redis
+        if redis is None:
+            return 0
+        swept = 0
+        for writer, sid in await asyncio.to_thread(redis.dead_writings):
+            try:
+                loaded = await self.store.load(sid)
+            except Exception:  # Redis unreachable: swept later
+                return swept
+            ref = loaded[0].get("kv") if loaded is not None else None
+            swept += await asyncio.to_thread(sweep_dead_writer, redis, sid, writer, ref) or 0
+        if swept:
+            log.info("swept %d KV keys that dead writers left unnamed", swept)
+        return swept
 
     async def unfinished_deletes(self, older_than_s: float) -> list[str]:
         try:

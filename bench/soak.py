@@ -10,7 +10,8 @@ session, takes a random number of short turns and deletes it, then opens the nex
 ``--redis-restart-at`` of the run) Redis is shut down and started again on its AOF; one fault at a
 time, each after the replicas saved what Redis missed (``--kill-unsaved``: not waiting for that).
 
-Then, with every process up and every replica's unsaved sessions saved (``bench.soak_checks``):
+Then, with every process up, every replica's unsaved sessions saved and what killed replicas' KV
+writers left swept (their liveness lapses, then a live replica sweeps) (``bench.soak_checks``):
 
 - histories: every surviving session's messages and token ids, read back through
   ``GET /v1/sessions/{id}/export``, are what its client was acknowledged: no turn lost, duplicated or
@@ -39,7 +40,8 @@ import httpx
 
 from app.progress import progress
 from bench.common import write_json
-from bench.soak_checks import compare_history, host_slots, orphan_keys, record_of, session_key, session_of
+from bench.soak_checks import (compare_history, dead_writers, host_slots, orphan_keys, record_of, session_key,
+                               session_of)
 from bench.soak_client import Client, Options, SessionLog, Tally
 from bench.soak_procs import Cluster
 
@@ -155,13 +157,22 @@ class Faults:
 
 
 async def quiesce(http: httpx.AsyncClient, cluster: Cluster, timeout: float = QUIESCE_S) -> bool:
-    """Every process up; True once every replica is healthy with no unsaved session."""
+    """Every process up; True once every replica is healthy with no unsaved session, and what killed
+    replicas left has been swept (their KV writers' liveness lapses, then a replica sweeps)."""
     if cluster.redis.proc is None or cluster.redis.proc.poll() is not None:
         await asyncio.to_thread(cluster.redis.start)
     for replica in cluster.replicas:
         if replica.proc is None or replica.proc.poll() is not None:
             await asyncio.to_thread(replica.restart, 0)
-    return await all_saved(http, cluster, timeout)
+    deadline = time.monotonic() + timeout
+    if not await all_saved(http, cluster, timeout):
+        return False
+    redis = cluster.redis.client(timeout=30)
+    while await asyncio.to_thread(dead_writers, redis, cluster.namespace):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(1)
+    return True
 
 
 # --- the checks over HTTP ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiers.cold_layer import page_names
-from tiers.keys import kv_key, manifest_key, session_key, session_of, session_pattern
+from tiers.keys import kv_key, manifest_key, session_key, session_of, session_pattern, writer_key, writing_key
 from tiers.redis_tier import decode_tensors
 from tiers.session_kv import table_names, valid_ref
 
@@ -85,6 +85,14 @@ def orphan_keys(redis, namespace: str, rule: Rule | None = None, count: int = 10
     for sid, keys in by_session.items():
         found += rule(redis, session_key(namespace, sid), keys)
     return sorted(found)
+
+
+def dead_writers(redis, namespace: str) -> int:
+    """Entries of the KV writers' log whose writer no longer lives (what it left is still to sweep)."""
+    entries = [m.decode() if isinstance(m, bytes) else m for m in redis.zrange(writing_key(namespace), 0, -1)]
+    writers = {e.split("|", 1)[0] for e in entries}
+    dead = {w for w in writers if not redis.exists(writer_key(namespace, w))}
+    return sum(1 for e in entries if e.split("|", 1)[0] in dead)
 
 
 # --- histories -------------------------------------------------------------------------------

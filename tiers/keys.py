@@ -1,9 +1,10 @@
 """The names of a session's keys in Redis: one hash tag per session, so that they share a cluster slot.
 
 ``{ns}:session:{<id>}`` is the session's record (``app.session_store``); its KV lives beside it:
-``…:kv:<name>`` for each page and each generation's page tables and primary set, and ``…:keys``, the
-manifest: a set of every ``<name>`` written under ``…:kv:``, added before the key itself, so that a
-session's KV can be found and removed without scanning the keyspace. The braces make Redis Cluster
+``…:kv:<name>`` for each page and each generation's page tables and primary set, and ``…:names``, the
+manifest: a hash of every ``<name>`` written under ``…:kv:`` to the writer (a process, ``writer_key``)
+that wrote it last, added before the key itself, so that a session's KV can be found and removed
+without scanning the keyspace, and what a dead writer left be told from what live ones are writing. The braces make Redis Cluster
 hash only the session id: a session's record, manifest and pages sit in one slot, and a pipeline over
 them is one round trip to one shard.
 """
@@ -19,7 +20,18 @@ def kv_key(ns: str, session_id: str, name: str) -> str:
 
 
 def manifest_key(ns: str, session_id: str) -> str:
-    return f"{session_key(ns, session_id)}:keys"
+    return f"{session_key(ns, session_id)}:names"
+
+
+def writer_key(ns: str, writer: str) -> str:
+    """A writer's liveness: it exists while the process that writes as ``writer`` lives (renewed)."""
+    return f"{ns}:writer:{writer}"
+
+
+def writing_key(ns: str) -> str:
+    """The log of which writer has written KV of which session (``<writer>|<session id>``), kept until the
+    session leaves that writer: what a writer that died left is found there."""
+    return f"{ns}:writing"
 
 
 def table_names(gen: str, layers: int) -> list[str]:

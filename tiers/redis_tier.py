@@ -1,8 +1,11 @@
 """Redis tier: raw tensor bytes plus a JSON header per key (never pickle), namespaced, with a TTL.
 
 A session's KV keys are named by ``tiers.keys`` (one hash tag per session) beside its record, and every
-name written is first added to the session's manifest, so its keys are found and removed without a
-scan of the keyspace. The keys outlive the record that names them by a quarter of its TTL
+name written is first added to the session's manifest with this process's writer id, so its keys are
+found and removed without a scan of the keyspace. A writer logs each session it writes for
+(``writing_key``) until the session leaves it and keeps a liveness key while it lives (``keep_alive``):
+what a writer that died left unnamed (a replica killed mid-turn) is found and swept by another
+(``dead_writings``, ``sweep_writer``; ``app.session_repository`` says what the record names). The keys outlive the record that names them by a quarter of its TTL
 (``kv_ttl_s``): the record is renewed at every save, the KV at saves a quarter TTL apart
 (``tiers.session_kv``), so KV never expires before the record naming it does.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 from collections.abc import Coroutine
 from typing import Any
@@ -28,10 +32,11 @@ from typing import Any
 import torch
 
 from tiers.base import PageBatch, TierStats
-from tiers.keys import kv_key, manifest_key
+from tiers.keys import kv_key, manifest_key, writer_key, writing_key
 from tiers.redis_client import RedisClient, RedisUnavailable
 
 log = logging.getLogger(__name__)
+WRITER_TTL_S = 20  # a writer not heard of for this long is dead: what it left unnamed is swept
 _DTYPES = {
     str(t).removeprefix("torch."): t
     for t in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.int32, torch.uint8, torch.int8)
@@ -78,6 +83,8 @@ class RedisTier:
         self._bytes: dict[str, int] = {}
         self._lock = threading.Lock()  # the counters' owner: held for bookkeeping only, never across a call
         self._client = client.redis
+        self.writer = secrets.token_hex(6)  # this process, as the manifests name who wrote a key
+        self._logged: set[str] = set()  # sessions this writer has logged in ``writing_key`` (under the lock)
 
     @property
     def healthy(self) -> bool:
@@ -126,12 +133,15 @@ class RedisTier:
         """Store pages (id -> its tensors, no page axis) in one pipelined request; False on failure."""
         if not pages:
             return True
+        if not self._log_writing(session_id):
+            return False
         encoded = {self.chunk_key(session_id, pid): encode_tensors(t) for pid, t in pages.items()}
         manifest = self.manifest_key(session_id)
 
         async def op():
             async with self._client.pipeline(transaction=False) as pipe:
-                pipe.sadd(manifest, *pages)  # named first: a write cut short leaves no key the manifest misses
+                # Named first: a write cut short leaves no key the manifest misses.
+                pipe.hset(manifest, mapping=dict.fromkeys(pages, self.writer))
                 pipe.expire(manifest, self.kv_ttl_s)
                 for key, (header, data) in encoded.items():
                     pipe.hset(key, mapping={"header": header, "data": data})
@@ -221,7 +231,7 @@ class RedisTier:
         async def op():
             async with self._client.pipeline(transaction=False) as pipe:
                 pipe.delete(*keys)
-                pipe.srem(manifest, *page_ids)
+                pipe.hdel(manifest, *page_ids)
                 await pipe.execute()
             return True
 
@@ -233,7 +243,7 @@ class RedisTier:
     def manifest(self, session_id: str) -> set[str] | None:
         """Every name written under the session's KV keys and not deleted since; None if Redis is down."""
         async def op():
-            return {m.decode() for m in await self._client.smembers(self.manifest_key(session_id))}
+            return {m.decode() for m in await self._client.hkeys(self.manifest_key(session_id))}
 
         return self._run(session_id, op(), default=None)
 
@@ -246,24 +256,127 @@ class RedisTier:
 
         async def op():
             for _ in range(rounds):
-                names = [m.decode() for m in await self._client.smembers(manifest)]
+                names = [m.decode() for m in await self._client.hkeys(manifest)]
                 if not names:
                     return True
                 async with self._client.pipeline(transaction=False) as pipe:
                     for i in range(0, len(names), 512):
                         part = names[i : i + 512]
                         pipe.delete(*(self.chunk_key(session_id, n) for n in part))
-                        pipe.srem(manifest, *part)
+                        pipe.hdel(manifest, *part)
                     await pipe.execute()
             return not await self._client.exists(manifest)
 
         done = bool(self._run(session_id, op(), default=False))
         self._account_delete(session_id)
+        if done:
+            self._unlog(session_id)
         return done
 
     def forget_session(self, session_id: str) -> None:
-        """Stop counting a session that leaves this process; its keys stay, for whoever restores it."""
+        """Stop counting a session that leaves this process; its keys stay, for whoever restores it, and it
+        leaves this writer's log (what it wrote is named by its record, or was collected on leaving)."""
         self._account_delete(session_id)
+        self._unlog(session_id)
+
+    # --- writers -----------------------------------------------------------------------------
+    def _unlog(self, session_id: str) -> None:
+        """The session leaves this writer (its keys named by its record, collected, or deleted)."""
+        with self._lock:
+            logged = session_id in self._logged
+            self._logged.discard(session_id)
+        if logged:
+            key = writing_key(self.ns)
+
+            async def op():
+                return await self._client.zrem(key, f"{self.writer}|{session_id}")
+
+            self._call(key, op())
+
+    def _call(self, key: str, coro: Coroutine[Any, Any, Any], default=None):
+        """A call on a key of no session (the writers' log and liveness), through that key's circuit."""
+        try:
+            return self.client.run(coro, key=key)
+        except Exception:  # noqa: BLE001 - counted; the caller tries again later
+            self._count_error()
+            return default
+
+    def _log_writing(self, session_id: str) -> bool:
+        """Before this writer's first write for a session: log it (and that this writer lives), so that if
+        it dies what it leaves is found. False when Redis failed (nothing is written then)."""
+        with self._lock:
+            if session_id in self._logged:
+                return True
+        if not self.keep_alive():
+            return False
+        key = writing_key(self.ns)
+
+        async def op():
+            await self._client.zadd(key, {f"{self.writer}|{session_id}": 0})
+            return True
+
+        if not self._call(key, op(), default=False):
+            return False
+        with self._lock:
+            self._logged.add(session_id)
+        return True
+
+    def keep_alive(self, ttl_s: int = WRITER_TTL_S) -> bool:
+        """Say this writer lives for ``ttl_s`` more seconds (housekeeping renews it well before)."""
+        key = writer_key(self.ns, self.writer)
+
+        async def op():
+            await self._client.set(key, b"1", ex=ttl_s)
+            return True
+
+        return bool(self._call(key, op(), default=False))
+
+    def dead_writings(self) -> list[tuple[str, str]]:
+        """(writer, session) of the log whose writer no longer lives; [] when Redis cannot tell."""
+        key = writing_key(self.ns)
+
+        async def entries():
+            return [m.decode().split("|", 1) for m in await self._client.zrange(key, 0, -1)]
+
+        logged = self._call(key, entries(), default=None) or []
+        dead = []
+        for writer in {w for w, _ in logged if w != self.writer}:
+            alive = writer_key(self.ns, writer)
+
+            async def exists(alive=alive):
+                return await self._client.exists(alive)
+
+            if self._call(alive, exists(), default=1) == 0:
+                dead.append(writer)
+        return [(w, sid) for w, sid in logged if w in dead]
+
+    def sweep_writer(self, session_id: str, writer: str, named: set[str]) -> int | None:
+        """Delete the session's keys that ``writer`` (dead) wrote last and that ``named`` (what its record
+        names) lacks, then its log entry; the names deleted, or None when Redis failed."""
+        manifest = self.manifest_key(session_id)
+
+        async def op():
+            owners = await self._client.hgetall(manifest)
+            doomed = [n.decode() for n, w in owners.items() if w.decode() == writer and n.decode() not in named]
+            if doomed:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for i in range(0, len(doomed), 512):
+                        part = doomed[i : i + 512]
+                        pipe.delete(*(self.chunk_key(session_id, n) for n in part))
+                        pipe.hdel(manifest, *part)
+                    await pipe.execute()
+            return len(doomed)
+
+        swept = self._run(session_id, op(), default=None)
+        if swept is None:
+            return None
+        key = writing_key(self.ns)
+
+        async def unlog():
+            return await self._client.zrem(key, f"{writer}|{session_id}")
+
+        self._call(key, unlog())
+        return swept
 
     def session_bytes(self, session_id: str) -> int:
         """Bytes this process wrote for the session and still counts: one lookup, safe from any thread."""

@@ -12,7 +12,9 @@ commit is removed (``abandoned``); once one commits, the generations before it a
 freed since are collected (``committed``). After a move, the new holder's first commit also clears
 what earlier holders left: keys in the manifest that nothing here names (what a holder that crashed,
 or lost the session, wrote after its last commit). Not before: until that commit, the holder it was
-restored from may still be saving, and its save may yet win.
+restored from may still be saving, and its save may yet win. A holder that dies with no commit after
+it (a replica killed mid-turn on a session no one saves again) leaves its keys to ``sweep_dead_writer``:
+once its liveness lapses, another process deletes what it wrote last that the record does not name.
 
 Lifetimes: the record's TTL is renewed by every save; a generation's keys are written with a quarter
 TTL more, and the pages it shares with earlier ones are checked and renewed by a save at least a
@@ -24,10 +26,12 @@ import secrets
 from dataclasses import dataclass
 
 from tiers.base import PageBatch, batch_nbytes
+from tiers.cold_layer import page_names
 from tiers.host import HostTier
 from tiers.keys import table_names, tables_of
+from tiers.redis_tier import RedisTier
 
-__all__ = ["SessionKV", "StoredLayer", "table_names", "valid_ref"]
+__all__ = ["SessionKV", "StoredLayer", "sweep_dead_writer", "table_names", "valid_ref"]
 
 
 @dataclass(frozen=True)
@@ -137,3 +141,23 @@ class SessionKV:
         pages, gens = self.host.kept(self.sid)
         keep = pages | set(tables_of(gens))
         return sorted(names - keep)
+
+
+def generation_names(redis: RedisTier, sid: str, ref: dict | None) -> set[str] | None:
+    """Every KV name the generation ``ref`` names (its tables and the pages they list); the empty set for
+    a record with no KV; None when its tables cannot be read (Redis failing, or one is gone)."""
+    parsed = valid_ref(ref) if isinstance(ref, dict) else None
+    if parsed is None:
+        return set()
+    names = table_names(*parsed)
+    got = redis.get_pages(sid, names)
+    if any(t is None for t in got):
+        return None
+    return set(names).union(*(page_names(layer, got[2 * layer]) for layer in range(parsed[1])))
+
+
+def sweep_dead_writer(redis: RedisTier, sid: str, writer: str, ref: dict | None) -> int | None:
+    """Delete what ``writer``, which no longer lives, wrote last of the session and its record (naming
+    ``ref``; None: no live record) does not name; the names deleted, or None when not done this time."""
+    named = generation_names(redis, sid, ref)
+    return None if named is None else redis.sweep_writer(sid, writer, named)

@@ -43,9 +43,12 @@ async def test_a_tiered_conversation_leaves_one_record_and_its_kv_pages_nothing_
             keys = {k.decode() for k in client.scan_iter(count=1000)}
             record_key = session_key(namespace, info["session_id"])
             kv_keys = {k for k in keys if k.startswith(f"{record_key}:kv:")}
-            # The record, its manifest, its KV, the listing index and the replicas' totals: nothing else.
-            assert keys == {record_key, f"{record_key}:keys", f"{namespace}:sessions",
-                            f"{namespace}:replicas"} | kv_keys
+            # The record, its manifest, its KV, the listing index, the replicas' totals and the KV writer's
+            # log and liveness: nothing else.
+            writers = {k for k in keys if k.startswith(f"{namespace}:writer:")}
+            assert len(writers) == 1
+            assert keys == {record_key, f"{record_key}:names", f"{namespace}:sessions",
+                            f"{namespace}:replicas", f"{namespace}:writing"} | kv_keys | writers
             # Written once at creation and once per turn, compare-and-set.
             assert int(client.hget(record_key, "version")) == 4
             record = json.loads(client.hget(record_key, "data"))
@@ -56,7 +59,7 @@ async def test_a_tiered_conversation_leaves_one_record_and_its_kv_pages_nothing_
             # Exactly what the record names: one generation's tables and primary sets, its pages, no orphans;
             # and the manifest lists exactly those.
             assert kv_keys == named
-            assert {f"{record_key}:kv:{m.decode()}" for m in client.smembers(f"{record_key}:keys")} == named
+            assert {f"{record_key}:kv:{m.decode()}" for m in client.hkeys(f"{record_key}:names")} == named
 
 
 RUN = r"""

@@ -10,7 +10,7 @@ from replica_helpers import replica, turn
 
 from app.contract.ids import new_session_id
 from bench.soak_checks import orphan_keys
-from tiers.keys import session_key
+from tiers.keys import session_key, writer_key
 
 LONG = "The lighthouse keeper wrote about the storm, the gulls and the ships that passed by. " * 6
 
@@ -80,3 +80,47 @@ async def test_restoring_a_record_without_kv_sweeps_what_its_earlier_holder_left
     finally:
         await b.close()
         await a.close()
+
+
+def writers_log(server, ns: str) -> list[str]:
+    return [m.decode() for m in server.client().zrange(f"{ns}:writing", 0, -1)]
+
+
+async def killed(service) -> None:
+    """As a replica killed mid-turn: its housekeeping stops and its KV writer's liveness lapses at once."""
+    service._housekeeper.cancel()
+    key = writer_key(service.store.ns, service.engine.redis.writer)
+    await service.store.client.call(service.store.client.redis.delete(key), key=key)
+
+
+async def test_what_a_dead_writer_left_unnamed_is_swept_and_what_its_record_names_is_kept(make_engine,
+                                                                                           private_redis):
+    ns = f"rkvdead-{secrets.token_hex(3)}"
+    a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
+    try:
+        sid = new_session_id()
+        token = (await a.create_session(sid, mode="tiered"))["token"]
+        await turn(a, sid, token, LONG)
+        await turn(b, sid, token, "What did the keeper write about?")  # b holds it now, its pages named
+        saved = b.store.save
+
+        async def lost(*args):  # b's next save never lands: as if b were killed before its record's write
+            raise ConnectionError("killed")
+
+        b.store.save = lost
+        await turn(b, sid, token, "And the gulls?")
+        b.store.save = saved
+        left = orphan_keys(private_redis.client(), ns)
+        assert left and f"{b.engine.redis.writer}|{sid}" in writers_log(private_redis, ns)
+        await killed(b)
+
+        await a.repository.sweep_dead_writers()
+        assert orphan_keys(private_redis.client(), ns) == []  # what b left unnamed is gone
+        assert not [e for e in writers_log(private_redis, ns) if e.startswith(b.engine.redis.writer)]
+        # What b's committed record names (b wrote it) is kept: a restores it and prefills only the new turn.
+        fed = (await a.store.load(sid))[0]["kv"]["history_len"]
+        moved = await turn(a, sid, token, "And the ships?")
+        assert moved.usage.prefilled_tokens == moved.usage.prompt_tokens - fed < 40
+    finally:
+        await a.close()
+        await b.close()

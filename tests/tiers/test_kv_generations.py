@@ -181,7 +181,7 @@ def test_a_page_table_that_does_not_match_its_record_is_refused_whole(private_re
     assert Process(private_redis.url, ns).restored({**v1, "gen": "../x"}) is None
     # A page of the generation gone: refused, and the refusing process took nothing on.
     client = private_redis.client()
-    page = next(n.decode() for n in client.smembers(manifest_key(ns, SID)) if n.decode().startswith("l"))
+    page = next(n.decode() for n in client.hkeys(manifest_key(ns, SID)) if n.decode().startswith("l"))
     client.delete(kv_key(ns, SID, page))
     other = Process(private_redis.url, ns)
     assert other.restored(v1) is None

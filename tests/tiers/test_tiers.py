@@ -77,15 +77,19 @@ def test_redis_keys_are_namespaced_with_ttl(redis_tier, redis_url):
 
     redis_tier.put_pages("s1", {"c1": make_page(2), "c2": make_page(3)})
     client = redis.Redis.from_url(redis_url)
-    keys = sorted(k.decode() for k in client.scan_iter(match=f"{redis_tier.ns}:*"))
-    # One hash tag per session (one cluster slot), and a manifest naming every KV key written.
+    keys = sorted(k.decode() for k in client.scan_iter(match=f"{redis_tier.ns}:session:*"))
+    # One hash tag per session (one cluster slot), and a manifest naming every KV key written and its writer.
     head = f"{redis_tier.ns}:session:{{s1}}"
-    assert keys == [f"{head}:keys", f"{head}:kv:c1", f"{head}:kv:c2"]
-    assert {m.decode() for m in client.smembers(f"{head}:keys")} == {"c1", "c2"}
+    assert keys == [f"{head}:kv:c1", f"{head}:kv:c2", f"{head}:names"]
+    assert client.hgetall(f"{head}:names") == {b"c1": redis_tier.writer.encode(), b"c2": redis_tier.writer.encode()}
     # KV outlives the record naming it (a record's TTL is ``ttl_s``).
     assert all(redis_tier.ttl_s < client.ttl(k) <= redis_tier.kv_ttl_s for k in keys)
+    # The writer lives, and has logged the session it writes for.
+    assert 0 < client.ttl(f"{redis_tier.ns}:writer:{redis_tier.writer}") <= 20
+    assert client.zrange(f"{redis_tier.ns}:writing", 0, -1) == [f"{redis_tier.writer}|s1".encode()]
     redis_tier.delete_session("s1")
-    assert list(client.scan_iter(match=f"{redis_tier.ns}:*")) == []
+    assert list(client.scan_iter(match=f"{redis_tier.ns}:session:*")) == []
+    assert client.zrange(f"{redis_tier.ns}:writing", 0, -1) == []
     assert redis_tier.stats.bytes == 0
 
 
