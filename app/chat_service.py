@@ -43,6 +43,7 @@ STATS_PUSH_S = 5.0
 # A delete still logged this long after it began lost its replica half way: any replica finishes it.
 DELETE_GRACE_S = 10.0
 TICK_S = 1.0  # housekeeping period: unsaved sessions are retried this often while Redis is down
+KEEP_ALIVE_S = 2.0  # how often the KV writer's liveness is renewed (it lapses after ``WRITER_TTL_S``)
 SWEEP_S = 5.0  # how often what dead KV writers left is looked for (``SessionRepository.sweep_dead_writers``)
 
 
@@ -74,7 +75,7 @@ class ChatService:
     def start(self) -> None:
         """Start housekeeping on the running loop (idempotent, so callers may call it per request)."""
         if self._housekeeper is None or self._housekeeper.done():
-            self._housekeeper = asyncio.get_running_loop().create_task(self._housekeeping())
+            self._housekeeper = asyncio.get_running_loop().create_task(self._background())
 
     async def close(self) -> None:
         if self._housekeeper is not None:
@@ -92,6 +93,19 @@ class ChatService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _background(self) -> None:
+        """Housekeeping, and beside it (so that no wait of a housekeeping round delays it) the KV
+        writer's liveness: cancelled together."""
+        await asyncio.gather(self._housekeeping(), self._keep_alive())
+
+    async def _keep_alive(self) -> None:
+        while self.repository is not None:
+            try:
+                await self.repository.keep_alive()
+            except Exception as exc:  # noqa: BLE001 - tried again at the next beat
+                log.info("writer liveness: %s: %s", type(exc).__name__, exc)
+            await asyncio.sleep(KEEP_ALIVE_S)
+
     async def _housekeeping(self) -> None:
         last_push = last_sweep = 0.0
         while True:
@@ -102,7 +116,6 @@ class ChatService:
                     await self.repository.save_unsaved(self.access.digest)
                     await self._drop_stale()
                     await self._finish_deletes()
-                    await self.repository.keep_alive()
                     if time.monotonic() - last_sweep >= SWEEP_S:
                         last_sweep = time.monotonic()
                         await self.repository.sweep_dead_writers()

@@ -71,7 +71,7 @@ class SessionRepository:
 
     def stored(self, sid: str) -> bool:
         """Redis has this session's latest state (so it may leave memory)."""
-        return bool(self._versions.get(sid)) and sid not in self._unsaved
+        return bool(self._versions.get(sid)) and sid not in self._unsaved and sid not in self._kv_missing
 
     async def save(self, session: Session, digest: str, retry: bool = False) -> str | None:
         """Write the session's KV, then its record as the next version: ``SAVED``; ``MOVED`` or ``DELETED``

@@ -119,15 +119,19 @@ class RedisCopies:
     def commit(self, sid: str, gen: str | None) -> Collected:
         """``gen``'s record was committed: the generations written before it, and the waiting copies no
         remaining generation names, are collected. ``None``: a record naming no KV (its persist failed)
-        was committed, which supersedes every generation here."""
+        was committed, which supersedes the generation the record named before and those before it (not
+        one written since, as a park's)."""
         s = self._sessions.get(sid)
         if s is None or (gen is not None and gen not in s.gens):
             return Collected({}, [])
         older: dict[str, int] = {}
-        for g in list(s.gens):
+        last = gen if gen is not None else s.committed
+        for g in list(s.gens) if last in s.gens else []:
             if g == gen:
                 break
             older[g] = s.gens.pop(g).layers
+            if g == last:
+                break
         sweep, s.sweep = s.sweep, False
         s.committed = gen
         return Collected(older, self._collect(s), sweep)

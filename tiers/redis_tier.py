@@ -34,9 +34,27 @@ import torch
 from tiers.base import PageBatch, TierStats
 from tiers.keys import kv_key, manifest_key, writer_key, writing_key
 from tiers.redis_client import RedisClient, RedisUnavailable
+from tiers.redis_script import Script
 
 log = logging.getLogger(__name__)
-WRITER_TTL_S = 20  # a writer not heard of for this long is dead: what it left unnamed is swept
+WRITER_TTL_S = 30  # a writer not heard of for this long is dead: what it left unnamed is swept
+# KEYS[1]: a manifest; ARGV: the dead writer, the session's KV key prefix, then the names its record names.
+# Deletes the keys that writer wrote last and the record does not name; returns how many.
+SWEEP = """
+local named = {}
+for i = 3, #ARGV do named[ARGV[i]] = true end
+local owners = redis.call('HGETALL', KEYS[1])
+local n = 0
+for i = 1, #owners, 2 do
+  local name = owners[i]
+  if owners[i + 1] == ARGV[1] and not named[name] then
+    redis.call('DEL', ARGV[2] .. name)
+    redis.call('HDEL', KEYS[1], name)
+    n = n + 1
+  end
+end
+return n
+"""
 _DTYPES = {
     str(t).removeprefix("torch."): t
     for t in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.int32, torch.uint8, torch.int8)
@@ -84,6 +102,7 @@ class RedisTier:
         self._lock = threading.Lock()  # the counters' owner: held for bookkeeping only, never across a call
         self._client = client.redis
         self.writer = secrets.token_hex(6)  # this process, as the manifests name who wrote a key
+        self._sweep = Script(self._client, SWEEP)
         self._logged: set[str] = set()  # sessions this writer has logged in ``writing_key`` (under the lock)
 
     @property
@@ -133,8 +152,7 @@ class RedisTier:
         """Store pages (id -> its tensors, no page axis) in one pipelined request; False on failure."""
         if not pages:
             return True
-        if not self._log_writing(session_id):
-            return False
+        self._log_writing(session_id)  # not logged (Redis failing for the log's key): tried again next time
         encoded = {self.chunk_key(session_id, pid): encode_tensors(t) for pid, t in pages.items()}
         manifest = self.manifest_key(session_id)
 
@@ -212,7 +230,7 @@ class RedisTier:
         """Stop counting these keys of a session (None: all of them, and the session)."""
         with self._lock:
             sizes = self._sizes.get(session_id, {})
-            gone = list(sizes) if page_ids is None else [pid for pid in page_ids if pid in sizes]
+            gone = list(sizes) if page_ids is None else [pid for pid in dict.fromkeys(page_ids) if pid in sizes]
             freed = sum(sizes.pop(pid) for pid in gone)
             self.stats.bytes -= freed
             self.stats.entries -= len(gone)
@@ -322,14 +340,35 @@ class RedisTier:
         return True
 
     def keep_alive(self, ttl_s: int = WRITER_TTL_S) -> bool:
-        """Say this writer lives for ``ttl_s`` more seconds (housekeeping renews it well before)."""
+        """Say this writer lives for ``ttl_s`` more seconds (renewed well before: ``app.chat_service``).
+        Found lapsed (this process was taken for dead, its log entries maybe swept): every session is
+        logged again at its next write."""
         key = writer_key(self.ns, self.writer)
 
         async def op():
-            await self._client.set(key, b"1", ex=ttl_s)
+            return await self._client.set(key, b"1", ex=ttl_s, get=True)
+
+        before = self._call(key, op(), default=False)
+        if before is False:
+            return False
+        if before is None:
+            with self._lock:
+                self._logged.clear()
+        return True
+
+    def own(self, session_id: str, names: list[str]) -> bool:
+        """Take over names another writer wrote (a restore adopting its generation): this writer keeps them
+        while it lives, whatever became of that one."""
+        if not names:
+            return True
+        self._log_writing(session_id)
+        manifest = self.manifest_key(session_id)
+
+        async def op():
+            await self._client.hset(manifest, mapping=dict.fromkeys(names, self.writer))
             return True
 
-        return bool(self._call(key, op(), default=False))
+        return bool(self._run(session_id, op(), default=False))
 
     def dead_writings(self) -> list[tuple[str, str]]:
         """(writer, session) of the log whose writer no longer lives; [] when Redis cannot tell."""
@@ -356,16 +395,8 @@ class RedisTier:
         manifest = self.manifest_key(session_id)
 
         async def op():
-            owners = await self._client.hgetall(manifest)
-            doomed = [n.decode() for n, w in owners.items() if w.decode() == writer and n.decode() not in named]
-            if doomed:
-                async with self._client.pipeline(transaction=False) as pipe:
-                    for i in range(0, len(doomed), 512):
-                        part = doomed[i : i + 512]
-                        pipe.delete(*(self.chunk_key(session_id, n) for n in part))
-                        pipe.hdel(manifest, *part)
-                    await pipe.execute()
-            return len(doomed)
+            # One script on the session's slot: a name another writer took over meanwhile is not deleted.
+            return await self._sweep([manifest], [writer, self.chunk_key(session_id, ""), *sorted(named)])
 
         swept = self._run(session_id, op(), default=None)
         if swept is None:

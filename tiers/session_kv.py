@@ -12,7 +12,9 @@ commit is removed (``abandoned``); once one commits, the generations before it a
 freed since are collected (``committed``). After a move, the new holder's first commit also clears
 what earlier holders left: keys in the manifest that nothing here names (what a holder that crashed,
 or lost the session, wrote after its last commit). Not before: until that commit, the holder it was
-restored from may still be saving, and its save may yet win. A holder that dies with no commit after
+restored from may still be saving, and its save may yet win. (Every first commit in a process sweeps: a
+restore's, and that of a session made here, whose manifest holds only its own names.) A restore takes
+over the pages it adopts (``RedisTier.own``). A holder that dies with no commit after
 it (a replica killed mid-turn on a session no one saves again) leaves its keys to ``sweep_dead_writer``:
 once its liveness lapses, another process deletes what it wrote last that the record does not name.
 
@@ -106,7 +108,7 @@ class SessionKV:
         host tier takes them as this session's, named by that generation."""
         parsed = valid_ref(ref)
         found = self.redis.renew_pages(self.sid, pages) if parsed is not None and self.redis is not None else None
-        if found is None or not all(found):
+        if found is None or not all(found) or not self.redis.own(self.sid, pages):
             return False
         self.host.adopt(self.sid, parsed[0], parsed[1], pages)
         return True
@@ -120,7 +122,7 @@ class SessionKV:
         done = self.host.commit(self.sid, parsed[0])
         names = done.names()
         if done.sweep:
-            names += self._strays()
+            names = list(dict.fromkeys(names + self._strays()))  # a collected generation's tables are strays too
         self.redis.delete_pages(self.sid, names)
 
     def abandoned(self, ref: dict) -> None:

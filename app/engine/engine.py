@@ -195,10 +195,16 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
         """The record that names the KV generation ``kv`` committed (older generations are collected; a
         record with no KV supersedes them all) or did not (``kv``'s own generation is removed); off the
         event loop, since it talks to Redis."""
+        session = self._sessions.get(session_id)
+        if committed and session is not None:
+            session.stored_kv = kv
         if self.redis is None or (kv is None and not committed):
             return
         store = SessionKV(self.host_tier, session_id)
-        await asyncio.to_thread(store.committed if committed else store.abandoned, kv)
+        try:
+            await asyncio.to_thread(store.committed if committed else store.abandoned, kv)
+        except Exception:  # noqa: BLE001 - the record settled already; what is not collected now expires
+            log.warning("session %s: could not collect its KV generations", session_id, exc_info=True)
 
     def cancel(self, session_id: str) -> bool:
         """Ask a generating session to stop after the current step; False if it was idle."""

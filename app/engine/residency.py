@@ -161,18 +161,26 @@ class DeviceResidency:
         except Exception:  # noqa: BLE001 - the record then goes without KV: a restore re-prefills
             log.warning("session %s: could not persist its KV", session.id, exc_info=True)
             self._drop_if_broken(session, cache)
-            return None
+            # Dropped half-updated: the record keeps naming what Redis holds of it, if anything.
+            return session.parked_kv if session.cache is None else None
 
     def _drop_if_broken(self, session: Session, cache: SessionCache) -> None:
         """Model thread, after a job on a session's cache failed: a cache the failure left half-updated
-        (``SessionCache.broken``) goes, so that no turn runs on it; the next turn rebuilds the session
-        from its history. One that failed with nothing changed stays."""
+        (``SessionCache.broken``; also one whose later prefill was taken back half way) goes, so that no
+        turn runs on it. Its next turn restores it from the generation its record names (``stored_kv``),
+        where there is one, or else rebuilds it by replaying what it had been fed. One that failed with
+        nothing changed stays."""
         if not cache.broken or session.cache is not cache:
             return
         log.warning("session %s: a failed change left its cache half-updated; dropped, its next turn "
-                    "re-prefills the history", session.id)
+                    "restores or rebuilds it", session.id)
+        fed = cache.history_len
         self.memory_account.take_cache(session)
         self._release_quietly(session, cache)
+        if session.stored_kv is not None:
+            session.parked_kv = session.stored_kv
+        elif fed:
+            session.lost_fed = fed
 
     def _release_quietly(self, session: Session, cache: SessionCache) -> None:
         """Model thread: free a dropped cache's tier chunks now rather than at the session's deletion.

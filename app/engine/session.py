@@ -67,6 +67,9 @@ class Session:
     # The last persist of its cache failed (Redis took none of its KV generation): the record saved with it
     # names no KV, and the service saves again, with the KV, once Redis takes it.
     kv_unwritten: bool = False
+    # The KV generation the session's record was last committed naming (from this process), or None: what
+    # a cache dropped half-updated is restored from (``Engine.kv_settled``, ``_drop_if_broken``).
+    stored_kv: dict | None = None
     busy: bool = False
     cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)

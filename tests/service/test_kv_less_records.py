@@ -124,3 +124,38 @@ async def test_what_a_dead_writer_left_unnamed_is_swept_and_what_its_record_name
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_later_message_stopped_half_way_keeps_the_record_s_kv_and_restores_from_it(make_engine,
+                                                                                           private_redis,
+                                                                                           monkeypatch):
+    from app.engine import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "ALONE_SLICE_S", 0.01)
+    ns = f"rkvstop-{secrets.token_hex(3)}"
+    a = replica(make_engine, private_redis.url, ns, "a")
+    a.engine.batcher.prefill_chunk = 64  # a message longer than this is fed layer by layer (it has cold pages)
+    try:
+        sid = new_session_id()
+        token = (await a.create_session(sid, mode="tiered"))["token"]
+        await turn(a, sid, token, LONG)
+        before = (await a.store.load(sid))[0]["kv"]
+        assert a.engine.sessions[sid].cache.layers_later()
+        slices, after_step, fired = a.engine.batcher.stats.layered_slices, a.engine.batcher.on_step, []
+
+        def on_step(keys):
+            after_step(keys)
+            if sid in keys and a.engine.batcher.stats.layered_slices > slices + 3 and not fired:
+                fired.append(a.engine.cancel(sid))
+
+        a.engine.batcher.on_step = on_step
+        stopped = await turn(a, sid, token, LONG + " Which ships passed by?")
+        a.engine.batcher.on_step = after_step
+        assert fired and stopped.finish_reason == "cancelled"
+        # The turn was undone; the record still names the generation it named (nothing of it collected).
+        assert (await a.store.load(sid))[0]["kv"]["gen"] == before["gen"]
+        assert orphan_keys(private_redis.client(), ns) == []
+        again = await turn(a, sid, token, "And the gulls?")  # restored from it: only the new turn prefilled
+        assert again.usage.prefilled_tokens == again.usage.prompt_tokens - before["history_len"] < 40
+    finally:
+        await a.close()

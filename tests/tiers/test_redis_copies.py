@@ -54,14 +54,16 @@ def test_a_session_leaving_drops_the_generations_no_record_was_known_to_name():
     assert left.gens == {"g": 1} and left.pages == ["p"]
 
 
-def test_a_record_without_kv_supersedes_every_generation_and_the_first_commit_here_sweeps():
+def test_a_record_without_kv_supersedes_the_generations_up_to_the_one_named_before():
     c = RedisCopies()
     c.add("s", ["a", "b", "c"])
+    c.hold("s", "g0", 1, ["b"])
     c.hold("s", "g1", 1, ["a", "b"])
     assert c.commit("s", "g1").sweep  # the first commit in a process clears what earlier holders left
-    c.hold("s", "g2", 1, ["a", "c"])
+    c.hold("s", "g2", 1, ["a", "c"])  # written since (a park's): no record has named it yet
     assert c.free("s", ["a", "b"]) == []  # named by g1 or g2: they wait
     done = c.commit("s", None)  # a record naming no KV committed
-    assert done.gens == {"g1": 1, "g2": 1} and sorted(done.pages) == ["a", "b"] and not done.sweep
-    assert c.gens("s") == {} and c.kept("s") == {"c"}  # c: a live page's copy, named by the next generation
+    assert done.gens == {"g1": 1} and done.pages == ["b"] and not done.sweep
+    assert c.gens("s") == {"g2": 1} and c.kept("s") == {"a", "c"}
+    assert c.commit("s", None).gens == {}  # nothing named before: nothing more to supersede
     assert c.commit("s", "g9").gens == {}  # a generation not known here commits nothing

@@ -7,7 +7,7 @@ import torch
 
 from tiers.host import HostFull, HostTier
 from tiers.redis_client import RedisClient
-from tiers.redis_tier import RedisTier, decode_tensors, encode_tensors
+from tiers.redis_tier import WRITER_TTL_S, RedisTier, decode_tensors, encode_tensors
 
 DEAD_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1: every call fails fast
 
@@ -85,7 +85,7 @@ def test_redis_keys_are_namespaced_with_ttl(redis_tier, redis_url):
     # KV outlives the record naming it (a record's TTL is ``ttl_s``).
     assert all(redis_tier.ttl_s < client.ttl(k) <= redis_tier.kv_ttl_s for k in keys)
     # The writer lives, and has logged the session it writes for.
-    assert 0 < client.ttl(f"{redis_tier.ns}:writer:{redis_tier.writer}") <= 20
+    assert 0 < client.ttl(f"{redis_tier.ns}:writer:{redis_tier.writer}") <= WRITER_TTL_S
     assert client.zrange(f"{redis_tier.ns}:writing", 0, -1) == [f"{redis_tier.writer}|s1".encode()]
     redis_tier.delete_session("s1")
     assert list(client.scan_iter(match=f"{redis_tier.ns}:session:*")) == []
@@ -202,3 +202,32 @@ def test_host_tier_calls_run_one_at_a_time():
     for sid, seed in (("a", 0), ("b", 1)):
         got, _ = host.read_many(sid, ["p0"])
         assert same(got, stacked(make_page(seed)))
+
+
+def test_a_dead_writer_s_unnamed_keys_are_swept_and_what_another_took_over_is_kept(redis_tier, redis_url):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    ns = redis_tier.ns
+    live = RedisTier(RedisClient(redis_url), namespace=ns, ttl_s=600)
+    try:
+        assert redis_tier.put_pages("s1", {"a": make_page(1), "b": make_page(2), "c": make_page(3)})
+        assert live.own("s1", ["b"])  # a restore adopting the dead one's page takes it over
+        assert live.dead_writings() == []  # the writer lives
+        client.delete(f"{ns}:writer:{redis_tier.writer}")  # its liveness lapses (a killed process)
+        assert live.dead_writings() == [(redis_tier.writer, "s1")]
+        assert live.sweep_writer("s1", redis_tier.writer, {"c"}) == 1  # c: its record names it; b: live's
+        head = f"{ns}:session:{{s1}}"
+        assert sorted(k.decode() for k in client.scan_iter(match=f"{head}:kv:*")) == [f"{head}:kv:b", f"{head}:kv:c"]
+        assert client.hget(f"{head}:names", "b") == live.writer.encode() and not client.hexists(f"{head}:names", "a")
+        assert live.dead_writings() == [] and f"{redis_tier.writer}|s1".encode() not in client.zrange(f"{ns}:writing", 0, -1)
+        # A live writer taken for dead (its liveness lapsed, its entries swept) logs its sessions again.
+        client.delete(f"{ns}:writer:{live.writer}")
+        client.zrem(f"{ns}:writing", f"{live.writer}|s1")
+        assert live.keep_alive()
+        assert live.put_pages("s1", {"d": make_page(4)})
+        assert f"{live.writer}|s1".encode() in client.zrange(f"{ns}:writing", 0, -1)
+    finally:
+        live.delete_session("s1")
+        client.delete(f"{ns}:writing", f"{ns}:writer:{live.writer}", f"{ns}:writer:{redis_tier.writer}")
+        live.close()
