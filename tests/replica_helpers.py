@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from app.chat_service import ChatService
 from app.contract.events import Done
+from app.contract.ids import new_session_id
 from app.session_store import SessionStore
+
+LONG = "The lighthouse keeper wrote about the storm, the gulls and the ships that passed by. " * 6
 
 
 def replica(make_engine, url: str, ns: str, name: str) -> ChatService:
@@ -22,3 +25,11 @@ async def turn(service: ChatService, sid: str, token: str, text: str) -> Done:
     events = await events_of(service, sid, token, text)
     assert isinstance(events[-1], Done), events[-1]
     return events[-1]
+
+
+async def new_session(service: ChatService) -> tuple[str, str]:
+    """(id, token) of a ``tiered`` session made on ``service`` whose first turn (``LONG``) left cold pages."""
+    sid = new_session_id()
+    token = (await service.create_session(sid, mode="tiered"))["token"]
+    await turn(service, sid, token, LONG)
+    return sid, token

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from app.engine import batcher as batcher_module
-from app.engine.errors import DeviceMemoryExhausted
 from app.engine.events import TextDelta, TurnDone
 from app.engine.sampling import SamplingParams
 from app.engine.steps import RecentMedian, Request, chunk_budget, take
@@ -293,47 +292,12 @@ async def test_chunked_prefills_share_one_extra_in_the_device_budget(make_engine
 
 async def _stopped_turn(engine, session, how: str, monkeypatch) -> None:
     """Send a long message and stop its turn after its first chunk, as ``how`` says."""
-    loop = asyncio.get_running_loop()
-    fired = []
-    after_step = engine.batcher.on_step
-    text = message(engine, 5, 230)
-
-    async def consume():
-        return await run_turn(engine, session.id, text)
-
-    if how == "refusal":
-        # A reservation the chunks outgrow at once: the bound did not hold, the turn is refused.
-        monkeypatch.setattr(engine.memory_account, "turn_bound", lambda *args, **kwargs: 1)
-    task = asyncio.ensure_future(consume())
-
     chunks = engine.batcher.stats.prefill_chunks
-
-    def on_step(keys):
-        after_step(keys)
-        # After the turn's first chunk (not the last step of the turn before: its accounting may run late).
-        if session.id in keys and engine.batcher.stats.prefill_chunks > chunks and not fired:
-            fired.append(True)
-            if how == "cancel":
-                engine.cancel(session.id)
-            elif how == "disconnect":
-                loop.call_soon_threadsafe(task.cancel)
-
-    engine.batcher.on_step = on_step
-    try:
-        if how == "cancel":
-            done = await task
-            assert done.finish_reason == "cancelled" and done.usage.generated_tokens == 0
-            assert done.text == ""
-        elif how == "disconnect":
-            with pytest.raises(asyncio.CancelledError):
-                await task
-        else:
-            with pytest.raises(DeviceMemoryExhausted):
-                await task
-            assert engine.memory_account.refusals == 1
-    finally:
-        engine.batcher.on_step = after_step
-        monkeypatch.undo()
+    refusals = engine.memory_account.refusals
+    # After the turn's first chunk (not the last step of the turn before: its accounting may run late).
+    fired = await turn_helpers.stopped_turn(engine, session, message(engine, 5, 230), PARAMS, how, monkeypatch,
+                                            lambda: engine.batcher.stats.prefill_chunks > chunks)
+    assert how != "refusal" or engine.memory_account.refusals == refusals + 1
     assert fired and engine.batcher.stats.prefills_stopped == 1
 
 

@@ -3,13 +3,10 @@
 sessions' steps; stopped between two slices (a cancel, a disconnect, a device-memory refusal), the turn
 is undone, the session keeps its history and its next turn rebuilds the cache and goes as if the stopped
 one had never been sent."""
-import asyncio
-
 import pytest
 import torch
 
 from app.engine import batcher as batcher_module
-from app.engine.errors import DeviceMemoryExhausted
 from app.engine.sampling import SamplingParams
 import turn_helpers
 from turn_helpers import message, reply_ids
@@ -56,39 +53,11 @@ async def test_a_later_message_stopped_between_slices_leaves_the_history_as_befo
     for session in (reference, stopped):
         await with_cold_pages(engine, session)
     messages, token_ids, fed = list(stopped.messages), list(stopped.token_ids), stopped.cache.history_len
-    loop = asyncio.get_running_loop()
-    fired = []
-    after_step = engine.batcher.on_step
     slices = engine.batcher.stats.layered_slices
     later = message(engine, 23, 230)
-    task = asyncio.ensure_future(run_turn(engine, stopped.id, later))
-    if how == "refusal":
-        monkeypatch.setattr(engine.memory_account, "turn_bound", lambda *args, **kwargs: 1)
-
-    def on_step(keys):
-        after_step(keys)
-        # After a few slices: some layers have re-selected (demoted to and promoted from the cold tiers).
-        if stopped.id in keys and engine.batcher.stats.layered_slices > slices + 3 and not fired:
-            fired.append(True)
-            if how == "cancel":
-                engine.cancel(stopped.id)
-            elif how == "disconnect":
-                loop.call_soon_threadsafe(task.cancel)
-
-    engine.batcher.on_step = on_step
-    try:
-        if how == "cancel":
-            done = await task
-            assert done.finish_reason == "cancelled" and done.usage.generated_tokens == 0
-        elif how == "disconnect":
-            with pytest.raises(asyncio.CancelledError):
-                await task
-        else:
-            with pytest.raises(DeviceMemoryExhausted):
-                await task
-    finally:
-        engine.batcher.on_step = after_step
-        monkeypatch.undo()
+    # After a few slices: some layers have re-selected (demoted to and promoted from the cold tiers).
+    fired = await turn_helpers.stopped_turn(engine, stopped, later, PARAMS, how, monkeypatch,
+                                            lambda: engine.batcher.stats.layered_slices > slices + 3)
     assert (fired or how == "refusal") and engine.batcher.stats.prefills_stopped == 1
     assert not stopped.busy and stopped.id not in engine.memory_account.reserved
     assert stopped.messages == messages and stopped.token_ids == token_ids

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from app.engine import batcher as batcher_module
-from app.engine.errors import DeviceMemoryExhausted
 from app.engine.events import TurnDone
 from app.engine.sampling import SamplingParams
 from app.engine.steps import StepLog
@@ -82,39 +81,10 @@ async def test_a_first_turn_stopped_between_slices_leaves_the_session_as_before(
     monkeypatch.setattr(batcher_module, "ALONE_SLICE_S", 0.01)
     engine = make_engine(prefill_chunk=CHUNK, device_budget_bytes=8 * 1024**3)
     reference, stopped = (engine.create_session(mode=mode, budget=64) for _ in range(2))
-    loop = asyncio.get_running_loop()
-    fired = []
-    after_step = engine.batcher.on_step
     slices = engine.batcher.stats.layered_slices
-    task = asyncio.ensure_future(run_turn(engine, stopped.id, message(engine, 5, 230)))
-    if how == "refusal":
-        # A reservation the prefill outgrows at once: the bound did not hold, the turn is refused.
-        monkeypatch.setattr(engine.memory_account, "turn_bound", lambda *args, **kwargs: 1)
-
-    def on_step(keys):
-        after_step(keys)
-        # After a few slices: some layers have selected (tiered: demoted to the host tier) by then.
-        if stopped.id in keys and engine.batcher.stats.layered_slices > slices + 3 and not fired:
-            fired.append(True)
-            if how == "cancel":
-                engine.cancel(stopped.id)
-            elif how == "disconnect":
-                loop.call_soon_threadsafe(task.cancel)
-
-    engine.batcher.on_step = on_step
-    try:
-        if how == "cancel":
-            done = await task
-            assert done.finish_reason == "cancelled" and done.usage.generated_tokens == 0
-        elif how == "disconnect":
-            with pytest.raises(asyncio.CancelledError):
-                await task
-        else:
-            with pytest.raises(DeviceMemoryExhausted):
-                await task
-    finally:
-        engine.batcher.on_step = after_step
-        monkeypatch.undo()
+    # After a few slices: some layers have selected (tiered: demoted to the host tier) by then.
+    fired = await turn_helpers.stopped_turn(engine, stopped, message(engine, 5, 230), PARAMS, how, monkeypatch,
+                                            lambda: engine.batcher.stats.layered_slices > slices + 3)
     stats = engine.batcher.stats
     # (A refusal comes on its own: the reservation is outgrown by the first slice.)
     assert (fired or how == "refusal") and stats.prefills_stopped == 1 and stats.prefills == 0

@@ -9,24 +9,15 @@ import time
 
 import pytest
 
-from replica_helpers import replica, turn
+from replica_helpers import new_session, replica
 from serving_helpers import RedisServer
 
 from app.chat_service import ChatService
 from app.contract.errors import SessionNotFound
-from app.contract.ids import new_session_id
 from app.session_store import TOMBSTONE
 from tiers.keys import session_key, session_pattern
 
-LONG = "The lighthouse keeper wrote about the storm, the gulls and the ships that passed by. " * 6
 
-
-
-async def new_session(service: ChatService) -> tuple[str, str]:
-    sid = new_session_id()
-    token = (await service.create_session(sid, mode="tiered"))["token"]
-    await turn(service, sid, token, LONG)
-    return sid, token
 
 
 def keys_left(server: RedisServer, ns: str) -> set[str]:

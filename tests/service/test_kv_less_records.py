@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import secrets
 
-from replica_helpers import replica, turn
+from replica_helpers import LONG, new_session, replica, turn
 
-from app.contract.ids import new_session_id
 from bench.soak_checks import orphan_keys
 from tiers.keys import session_key, writer_key
 
-LONG = "The lighthouse keeper wrote about the storm, the gulls and the ships that passed by. " * 6
 
 
 def failing_kv_writes(service, monkeypatch) -> None:
@@ -29,9 +27,7 @@ async def test_a_record_without_kv_collects_older_generations_and_gets_its_kv_la
     ns = f"rkvnokv-{secrets.token_hex(3)}"
     a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
     try:
-        sid = new_session_id()
-        token = (await a.create_session(sid, mode="tiered"))["token"]
-        await turn(a, sid, token, LONG)
+        sid, token = await new_session(a)
         first = await a.store.load(sid)
         assert first[0]["kv"] is not None and tables(private_redis, ns)
 
@@ -64,9 +60,7 @@ async def test_restoring_a_record_without_kv_sweeps_what_its_earlier_holder_left
     ns = f"rkvnokv-{secrets.token_hex(3)}"
     a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
     try:
-        sid = new_session_id()
-        token = (await a.create_session(sid, mode="tiered"))["token"]
-        await turn(a, sid, token, LONG)
+        sid, token = await new_session(a)
         failing_kv_writes(a, monkeypatch)  # from here on a writes no KV (its retries neither)
         await turn(a, sid, token, "What did the keeper write about?")
         assert (await a.store.load(sid))[0]["kv"] is None
@@ -98,9 +92,7 @@ async def test_what_a_dead_writer_left_unnamed_is_swept_and_what_its_record_name
     ns = f"rkvdead-{secrets.token_hex(3)}"
     a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
     try:
-        sid = new_session_id()
-        token = (await a.create_session(sid, mode="tiered"))["token"]
-        await turn(a, sid, token, LONG)
+        sid, token = await new_session(a)
         await turn(b, sid, token, "What did the keeper write about?")  # b holds it now, its pages named
         saved = b.store.save
 
@@ -136,9 +128,7 @@ async def test_a_later_message_stopped_half_way_keeps_the_record_s_kv_and_restor
     a = replica(make_engine, private_redis.url, ns, "a")
     a.engine.batcher.prefill_chunk = 64  # a message longer than this is fed layer by layer (it has cold pages)
     try:
-        sid = new_session_id()
-        token = (await a.create_session(sid, mode="tiered"))["token"]
-        await turn(a, sid, token, LONG)
+        sid, token = await new_session(a)
         before = (await a.store.load(sid))[0]["kv"]
         assert a.engine.sessions[sid].cache.layers_later()
         slices, after_step, fired = a.engine.batcher.stats.layered_slices, a.engine.batcher.on_step, []
