@@ -115,13 +115,21 @@ def _serve(data: dict):
     return fig
 
 
+def long_message(long: dict) -> str:
+    """A stall run's long message in words: a first message, or a later turn's (its history aside)."""
+    turn = long.get("turn", 1)
+    if turn == 1:
+        return f"a {long['prompt_tokens']:,}-token first message"
+    return f"a {long.get('prefilled_tokens', long['prompt_tokens']):,}-token message as turn {turn}"
+
+
 def _stall(data: dict):
     fig, (gaps,) = _axes(1, width=6.0)
     labels = ["p95 gap before", "longest pause", "p95 gap during"]
     _bars(gaps, labels, [data["gap_before_p95_ms"], data["max_pause_ms"], data["gaps_during_p95_ms"]],
           f"gaps between streamed tokens (ms); ratio {data['ratio']}x")
-    fig.suptitle(f"{data['sessions']} streaming sessions, a {data['long_message']['prompt_tokens']}-token first "
-                 f"message arrives ({data['mode']})", fontsize=10)
+    fig.suptitle(f"{data['sessions']} streaming sessions, {long_message(data['long_message'])} arrives "
+                 f"({data['mode']})", fontsize=10)
     return fig
 
 

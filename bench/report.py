@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.plot import plottable, render, run_command
+from bench.plot import long_message, plottable, render, run_command
 from bench.results import RESULTS, ROOT, Result, folder, shipped
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -51,8 +51,8 @@ ABOUT = {
     "serve": "A running server under load (`rocketkv-mt bench serve`). Load runs: concurrent WebSocket "
              "sessions send a context message, then short turns, then the same conversations run one at a "
              "time; the speed-up is the short turns' tokens/s concurrent over one at a time. Stall runs "
-             "(`--stall`): sessions stream long replies, then a long first message arrives in one more "
-             "session; the ratio is the longest pause a stream saw while it was prefilled over the 95th "
+             "(`--stall`): sessions stream long replies, then a long message arrives in one more session "
+             "(its first turn, or with `--stall-turn K` its K-th, after shorter ones); the ratio is the longest pause a stream saw while it was prefilled over the 95th "
              "percentile gap between tokens before it. Cluster runs (`python -m bench.cluster_serve`): two chat "
              "replicas on two Ray worker nodes on loopback, each replica's device budget measured to fit N of the "
              "sessions and not N+1; each round 2N new sessions arrive at once and stay resident together; "
@@ -225,7 +225,7 @@ def _serve(d: dict) -> list[str]:
 def _stall(d: dict) -> list[str]:
     long = d["long_message"]
     rows = [[_ms(d["gap_before_p95_ms"]), _ms(d["max_pause_ms"]), f"**{d['ratio']}x**", _ms(d["gaps_during_p95_ms"]),
-             f"{long['prompt_tokens']:,} tokens, first token at {long['ttft_s']:.1f} s"]]
+             f"{long_message(long)}, first token at {long['ttft_s']:.1f} s"]]
     lines = [f"Stall: {d['sessions']} sessions stream replies of up to {d['reply_tokens']} tokens; mode: {d['mode']}.",
              ""]
     return lines + _table(["p95 gap before", "longest pause", "ratio", "p95 gap during", "the long message"], rows)
