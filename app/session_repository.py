@@ -8,8 +8,8 @@ naming it in its ``kv``, is then written once by compare-and-set: the one commit
 the generations before it are collected; not committed (another version, a tombstone, or Redis
 failing), the generation is removed. A record thus names exactly one generation, written whole
 before it, or none: when the KV's writes failed but the record's went through, the record holds the
-history without KV (superseding every generation) and the session is saved again, with its KV, once
-Redis takes it.
+history without KV (superseding the generation named before it) and the session is saved again, with
+its KV, once Redis takes it.
 
 Each save names the version it read (``versions``): a replica holding a stale copy (another one took
 the session over meanwhile) fails its save and learns that its copy must not serve again; a save that
@@ -33,7 +33,7 @@ from app.engine.engine import Engine
 from app.engine.session import Session
 from app.session_restore import record, restore, summary
 from app.session_store import DELETED, MOVED, SAVED, TOMBSTONE, SessionStore
-from tiers.session_kv import sweep_dead_writer
+from tiers.session_kv import SessionKV
 
 log = logging.getLogger(__name__)
 STATS_TTL_S = 20
@@ -84,7 +84,7 @@ class SessionRepository:
         async with self._save_locks.setdefault(session.id, asyncio.Lock()):
             if session.busy:
                 return None  # a turn started while this waited for the lock (its cache may be mid-prefill)
-            quiet, kv_only = retry, retry and session.id not in self._unsaved
+            kv_only = retry and session.id not in self._unsaved
             if kv_only and session.id not in self._kv_missing:
                 return None  # saved meanwhile
             expected = self._versions.get(session.id)
@@ -108,7 +108,7 @@ class SessionRepository:
             except Exception as exc:  # Redis unreachable: turns go on in memory
                 await self.engine.kv_settled(session.id, kv, committed=False)
                 self._unsaved.add(session.id)
-                if not quiet:
+                if not retry:
                     log.warning("could not save session %s (%s: %s); kept in memory, retried", session.id,
                                 type(exc).__name__, exc)
                 return None
@@ -119,7 +119,7 @@ class SessionRepository:
                 self._versions[session.id] = (expected or 0) + 1
                 if session.kv_unwritten:
                     self._kv_missing.add(session.id)
-                if quiet:
+                if retry:
                     log.info("session %s saved again after a store outage", session.id)
                 with contextlib.suppress(Exception):  # fresh totals for /metrics; housekeeping pushes them anyway
                     await self.push_stats()
@@ -185,7 +185,7 @@ class SessionRepository:
             except Exception:  # Redis unreachable: swept later
                 return swept
             ref = loaded[0].get("kv") if loaded is not None else None
-            swept += await asyncio.to_thread(sweep_dead_writer, redis, sid, writer, ref) or 0
+            swept += await asyncio.to_thread(SessionKV(self.engine.host_tier, sid).sweep_dead_writer, writer, ref) or 0
         if swept:
             log.info("swept %d KV keys that dead writers left unnamed", swept)
         return swept

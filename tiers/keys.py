@@ -4,8 +4,8 @@
 ``…:kv:<name>`` for each page and each generation's page tables and primary set, and ``…:names``, the
 manifest: a hash of every ``<name>`` written under ``…:kv:`` to the writer (a process, ``writer_key``)
 that wrote it last, added before the key itself, so that a session's KV can be found and removed
-without scanning the keyspace, and what a dead writer left be told from what live ones are writing. The braces make Redis Cluster
-hash only the session id: a session's record, manifest and pages sit in one slot, and a pipeline over
+without scanning the keyspace, and what a dead writer left be told from what live ones are writing.
+The braces make Redis Cluster hash only the session id: a session's record, manifest and pages sit in one slot, and a pipeline over
 them is one round trip to one shard.
 """
 from __future__ import annotations

@@ -124,14 +124,12 @@ class RedisCopies:
         s = self._sessions.get(sid)
         if s is None or (gen is not None and gen not in s.gens):
             return Collected({}, [])
-        older: dict[str, int] = {}
-        last = gen if gen is not None else s.committed
-        for g in list(s.gens) if last in s.gens else []:
-            if g == gen:
-                break
-            older[g] = s.gens.pop(g).layers
-            if g == last:
-                break
+        order = list(s.gens)
+        if gen is not None:
+            stop = order.index(gen)
+        else:
+            stop = order.index(s.committed) + 1 if s.committed in s.gens else 0
+        older = {g: s.gens.pop(g).layers for g in order[:stop]}
         sweep, s.sweep = s.sweep, False
         s.committed = gen
         return Collected(older, self._collect(s), sweep)

@@ -5,8 +5,8 @@ name written is first added to the session's manifest with this process's writer
 found and removed without a scan of the keyspace. A writer logs each session it writes for
 (``writing_key``) until the session leaves it and keeps a liveness key while it lives (``keep_alive``):
 what a writer that died left unnamed (a replica killed mid-turn) is found and swept by another
-(``dead_writings``, ``sweep_writer``; ``app.session_repository`` says what the record names). The keys outlive the record that names them by a quarter of its TTL
-(``kv_ttl_s``): the record is renewed at every save, the KV at saves a quarter TTL apart
+(``dead_writings``, ``sweep_writer``; ``tiers.session_kv`` says what the record names). The keys
+outlive the record that names them by a quarter of its TTL (``kv_ttl_s``): the record is renewed at every save, the KV at saves a quarter TTL apart
 (``tiers.session_kv``), so KV never expires before the record naming it does.
 
 The tier speaks through the process's one ``RedisClient``, blocking its caller (the model thread, the
@@ -130,8 +130,12 @@ class RedisTier:
     def _run(self, session_id: str, coro: Coroutine[Any, Any, Any], default=None):
         """Run on the client's loop (through the circuit of the session's shard) and wait; on failure
         count it and return ``default``."""
+        return self._call(self.manifest_key(session_id), coro, default)
+
+    def _call(self, key: str, coro: Coroutine[Any, Any, Any], default=None):
+        """``_run`` for a call on ``key``'s shard (the writers' log and liveness are no session's keys)."""
         try:
-            return self.client.run(coro, key=self.manifest_key(session_id))
+            return self.client.run(coro, key=key)
         except RedisUnavailable:  # refused at once: the failure that opened the circuit was logged
             self._count_error()
             return default
@@ -152,7 +156,7 @@ class RedisTier:
         """Store pages (id -> its tensors, no page axis) in one pipelined request; False on failure."""
         if not pages:
             return True
-        self._log_writing(session_id)  # not logged (Redis failing for the log's key): tried again next time
+        self._log_writing(session_id)
         encoded = {self.chunk_key(session_id, pid): encode_tensors(t) for pid, t in pages.items()}
         manifest = self.manifest_key(session_id)
 
@@ -304,40 +308,34 @@ class RedisTier:
             logged = session_id in self._logged
             self._logged.discard(session_id)
         if logged:
-            key = writing_key(self.ns)
+            self._drop_entry(self.writer, session_id)
 
-            async def op():
-                return await self._client.zrem(key, f"{self.writer}|{session_id}")
+    def _drop_entry(self, writer: str, session_id: str) -> None:
+        """Take ``writer``'s entry for the session out of the writers' log."""
+        key = writing_key(self.ns)
 
-            self._call(key, op())
+        async def op():
+            return await self._client.zrem(key, f"{writer}|{session_id}")
 
-    def _call(self, key: str, coro: Coroutine[Any, Any, Any], default=None):
-        """A call on a key of no session (the writers' log and liveness), through that key's circuit."""
-        try:
-            return self.client.run(coro, key=key)
-        except Exception:  # noqa: BLE001 - counted; the caller tries again later
-            self._count_error()
-            return default
+        self._call(key, op())
 
-    def _log_writing(self, session_id: str) -> bool:
+    def _log_writing(self, session_id: str) -> None:
         """Before this writer's first write for a session: log it (and that this writer lives), so that if
-        it dies what it leaves is found. False when Redis failed (nothing is written then)."""
+        it dies what it leaves is found. Redis failing, it is not logged: tried again at the next write."""
         with self._lock:
             if session_id in self._logged:
-                return True
+                return
         if not self.keep_alive():
-            return False
+            return
         key = writing_key(self.ns)
 
         async def op():
             await self._client.zadd(key, {f"{self.writer}|{session_id}": 0})
             return True
 
-        if not self._call(key, op(), default=False):
-            return False
-        with self._lock:
-            self._logged.add(session_id)
-        return True
+        if self._call(key, op(), default=False):
+            with self._lock:
+                self._logged.add(session_id)
 
     def keep_alive(self, ttl_s: int = WRITER_TTL_S) -> bool:
         """Say this writer lives for ``ttl_s`` more seconds (renewed well before: ``app.chat_service``).
@@ -399,14 +397,8 @@ class RedisTier:
             return await self._sweep([manifest], [writer, self.chunk_key(session_id, ""), *sorted(named)])
 
         swept = self._run(session_id, op(), default=None)
-        if swept is None:
-            return None
-        key = writing_key(self.ns)
-
-        async def unlog():
-            return await self._client.zrem(key, f"{writer}|{session_id}")
-
-        self._call(key, unlog())
+        if swept is not None:
+            self._drop_entry(writer, session_id)
         return swept
 
     def session_bytes(self, session_id: str) -> int:

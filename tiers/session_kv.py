@@ -31,9 +31,8 @@ from tiers.base import PageBatch, batch_nbytes
 from tiers.cold_layer import page_names
 from tiers.host import HostTier
 from tiers.keys import table_names, tables_of
-from tiers.redis_tier import RedisTier
 
-__all__ = ["SessionKV", "StoredLayer", "sweep_dead_writer", "table_names", "valid_ref"]
+__all__ = ["SessionKV", "StoredLayer", "table_names", "valid_ref"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +133,23 @@ class SessionKV:
         done = self.host.abandon(self.sid, parsed[0])
         self.redis.delete_pages(self.sid, [*table_names(*parsed), *done.pages])
 
+    def names(self, ref: dict | None) -> set[str] | None:
+        """Every KV name the generation ``ref`` names (its tables and the pages they list); the empty set
+        for a record with no KV; None when its tables cannot be read (Redis failing, or one is gone)."""
+        parsed = valid_ref(ref) if isinstance(ref, dict) else None
+        if parsed is None:
+            return set()
+        tables = self.read(ref)
+        if tables is None:
+            return None
+        return set(table_names(*parsed)).union(*(page_names(layer, index) for layer, (index, _) in enumerate(tables)))
+
+    def sweep_dead_writer(self, writer: str, ref: dict | None) -> int | None:
+        """Delete what ``writer``, which no longer lives, wrote last of the session and its record (naming
+        ``ref``; None: no live record) does not name; the names deleted, or None when not done this time."""
+        named = self.names(ref)
+        return None if named is None or self.redis is None else self.redis.sweep_writer(self.sid, writer, named)
+
     def _strays(self) -> list[str]:
         """Names in the manifest that nothing here needs: what an earlier holder wrote after its last
         commit, or freed without committing again (it crashed, or lost the session to this process)."""
@@ -144,22 +160,3 @@ class SessionKV:
         keep = pages | set(tables_of(gens))
         return sorted(names - keep)
 
-
-def generation_names(redis: RedisTier, sid: str, ref: dict | None) -> set[str] | None:
-    """Every KV name the generation ``ref`` names (its tables and the pages they list); the empty set for
-    a record with no KV; None when its tables cannot be read (Redis failing, or one is gone)."""
-    parsed = valid_ref(ref) if isinstance(ref, dict) else None
-    if parsed is None:
-        return set()
-    names = table_names(*parsed)
-    got = redis.get_pages(sid, names)
-    if any(t is None for t in got):
-        return None
-    return set(names).union(*(page_names(layer, got[2 * layer]) for layer in range(parsed[1])))
-
-
-def sweep_dead_writer(redis: RedisTier, sid: str, writer: str, ref: dict | None) -> int | None:
-    """Delete what ``writer``, which no longer lives, wrote last of the session and its record (naming
-    ``ref``; None: no live record) does not name; the names deleted, or None when not done this time."""
-    named = generation_names(redis, sid, ref)
-    return None if named is None else redis.sweep_writer(sid, writer, named)

@@ -118,9 +118,9 @@ class LayerPrefill:
         last rows, the window rows' queries. Projections only (no attention): groups of ``rows``."""
         layer = self.model.model.layers[self.layer]
         attn = layer.self_attn
-        k = rotated(heads(attn.k_proj, layer.input_layernorm(self.hidden[:, a:b]), attn.head_dim),
-                    self.cos[:, a:b], self.sin[:, a:b])
-        v = heads(attn.v_proj, layer.input_layernorm(self.hidden[:, a:b]), attn.head_dim)
+        x = layer.input_layernorm(self.hidden[:, a:b])
+        k = rotated(heads(attn.k_proj, x, attn.head_dim), self.cos[:, a:b], self.sin[:, a:b])
+        v = heads(attn.v_proj, x, attn.head_dim)
         self.cache.layered_keys(self.layer, k[0], v[0])
         if b == self.n:
             w = self.cache.layered_window_rows()

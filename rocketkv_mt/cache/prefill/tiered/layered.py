@@ -22,6 +22,7 @@ import torch
 
 from rocketkv_mt.cache.prefill.tiered.choice import choose
 from rocketkv_mt.cache.prefill.tiered.pending import Pending
+from rocketkv_mt.cache.prefill.tiered.reads import read_bytes
 from rocketkv_mt.split_attention import attend_part, merge
 from rocketkv_mt.standin import beside
 
@@ -90,8 +91,5 @@ class TieredLayeredTurn:
 
     def nbytes(self) -> int:
         """The running layer's pages read back and its choice's promoted tokens."""
-        total = 0
-        for run in self._running.values():
-            total += sum(t.numel() * t.element_size() for t in (run.keys, run.values) if t is not None)
-            total += run.choice.nbytes() if run.choice is not None else 0
-        return total
+        return sum(read_bytes((run.keys, run.values)) + run.choice.nbytes()
+                   for run in self._running.values() if run.choice is not None)
