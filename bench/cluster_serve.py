@@ -45,8 +45,18 @@ from collections import Counter
 from types import SimpleNamespace
 
 import httpx
+import ray
+import ray._private.ray_constants as ray_constants
+import redis
+from ray import serve
+from ray.cluster_utils import Cluster
 
+from api.deployment import deploy as deploy_app
+from app.engine.engine import Engine
+from app.engine.sampling import SamplingParams
+from app.model_loader import load_model
 from app.placement import POLICIES, Candidate, place
+from app.settings import ServerSettings, Settings
 from bench.common import write_json
 from bench.serve_load import Barrier, Conversation, Session, conversations, open_session
 
@@ -82,11 +92,6 @@ def budget_for(worst: list[int], first: list[int], n: int) -> dict[str, int]:
 async def probe(settings, convs: list[Conversation], max_tokens: int) -> dict:
     """Run every conversation in an engine of this process with the replicas' settings and no budget:
     each turn's admission bound and the bytes the session holds after it."""
-    from app.engine.engine import Engine
-    from app.engine.sampling import SamplingParams
-    from app.model_loader import load_model
-    from app.settings import Settings
-
     fields = settings.model_dump(include=set(Settings.model_fields))
     local = Settings(**{**fields, "device_budget_bytes": 0, "redis_url": None})
     engine = Engine(local, loaded=load_model(local, quiet=True))
@@ -118,9 +123,6 @@ def cluster(temp_dir: str):
     """A head (no CPU) and two workers offering ``{"chat": 1}``, on loopback; every process is ended by
     its id on the way out."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep the nodes' own processes on loopback
-    import ray._private.ray_constants as ray_constants
-    from ray.cluster_utils import Cluster
-
     # Ray maps a loopback address to the host's own, for nodes on other machines; these all run here.
     ray_constants.ENABLE_RAY_CLUSTER = False
     nodes = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 0, "include_dashboard": False,
@@ -136,8 +138,6 @@ def cluster(temp_dir: str):
 
 def replica_nodes() -> dict[str, str]:
     """Each chat replica's Ray node id, as the replica's own process reports it."""
-    import ray
-
     found = {}
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if "#ChatReplica#" in actor["name"]:
@@ -149,10 +149,6 @@ def replica_nodes() -> dict[str, str]:
 
 def deploy(settings):
     """``api.deployment.deploy``, on a fresh port while the proxy loses its port to another process."""
-    from ray import serve
-
-    from api.deployment import deploy as deploy_app
-
     for attempt in range(4):
         try:
             deploy_app(settings)
@@ -230,8 +226,6 @@ def round_summary(records: list[dict], replicas: list[str], policy: str) -> dict
 
 def replica_stats(redis_url: str, namespace: str) -> dict[str, dict]:
     """Each replica's last pushed totals (``{ns}:replicas``: "<expiry> <JSON>" per replica)."""
-    import redis
-
     client = redis.Redis.from_url(redis_url)
     try:
         found = {}
@@ -244,8 +238,6 @@ def replica_stats(redis_url: str, namespace: str) -> dict[str, dict]:
 
 
 def drop_keys(redis_url: str, namespace: str) -> int:
-    import redis
-
     client = redis.Redis.from_url(redis_url)
     try:
         keys = list(client.scan_iter(match=f"{namespace}:*"))
@@ -278,7 +270,6 @@ async def measure(args, settings, convs: list[Conversation]) -> dict:
 
 
 def settings_of(args, port: int, namespace: str, address: str | None, budget: int):
-    from app.settings import ServerSettings
 
     return ServerSettings(
         host=LOOPBACK, port=port, ray_address=address, num_replicas=2, replica_num_cpus=1,
@@ -320,8 +311,6 @@ def run(args) -> dict:
     temp_dir = f"/tmp/rkv-cluster-{os.getpid()}"
     try:
         with cluster(temp_dir) as nodes:
-            from ray import serve
-
             settings = settings_of(args, free_port(), namespace, nodes.nodes.address, budget["budget"])
             try:
                 settings = deploy(settings)
@@ -334,8 +323,6 @@ def run(args) -> dict:
             finally:
                 with contextlib.suppress(Exception):
                     serve.shutdown()
-                import ray
-
                 ray.shutdown()
     finally:
         drop_keys(args.redis_url, namespace)

@@ -4,6 +4,7 @@ acknowledged: it answers ``session_moved`` and, sent again, runs once on the cur
 model, real (private) Redis."""
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 from replica_helpers import events_of, replica
@@ -60,8 +61,6 @@ async def test_a_turn_on_a_copy_that_moved_on_meanwhile_is_not_acknowledged(make
 async def test_a_save_in_flight_is_not_taken_for_another_replica_moving_on(make_engine, private_redis):
     """Between a save's compare-and-set and its bookkeeping, Redis already holds the new version: neither
     housekeeping nor a request may take this replica's own save for another's."""
-    import asyncio
-
     ns = f"rkvstale-{secrets.token_hex(3)}"
     a = replica(make_engine, private_redis.url, ns, "a")
     try:

@@ -3,6 +3,7 @@ import secrets
 import threading
 
 import pytest
+import redis
 import torch
 
 from tiers.host import HostFull, HostTier
@@ -73,8 +74,6 @@ def test_redis_chunk_round_trip_bit_exact(redis_tier, dtype):
 
 
 def test_redis_keys_are_namespaced_with_ttl(redis_tier, redis_url):
-    import redis
-
     redis_tier.put_pages("s1", {"c1": make_page(2), "c2": make_page(3)})
     client = redis.Redis.from_url(redis_url)
     keys = sorted(k.decode() for k in client.scan_iter(match=f"{redis_tier.ns}:session:*"))
@@ -113,8 +112,6 @@ def test_host_bound_holds_and_spill_promote_keeps_every_byte(redis_tier):
 def test_a_spill_checks_that_redis_still_holds_a_page_before_dropping_its_host_copy(redis_tier, redis_url):
     """A page read back from Redis is in the host tier and believed in Redis; if its key went (expired,
     or Redis restarted empty), spilling it again must write it, not drop the last copy."""
-    import redis
-
     pages = {f"c{i}": make_page(200 + i) for i in range(3)}
     host = HostTier(capacity_bytes=2 * PAGE_BYTES, redis=redis_tier)
     for cid, page in pages.items():
@@ -205,8 +202,6 @@ def test_host_tier_calls_run_one_at_a_time():
 
 
 def test_a_dead_writer_s_unnamed_keys_are_swept_and_what_another_took_over_is_kept(redis_tier, redis_url):
-    import redis
-
     client = redis.Redis.from_url(redis_url)
     ns = redis_tier.ns
     live = RedisTier(RedisClient(redis_url), namespace=ns, ttl_s=600)
