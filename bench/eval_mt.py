@@ -16,6 +16,7 @@ from pathlib import Path
 
 from app.engine.sampling import SamplingParams
 from app.progress import progress as progress_bar
+from app.settings import Settings
 from bench.common import TRAFFIC_FIELDS, Engines, variant, write_json
 
 
@@ -99,7 +100,8 @@ def main(args) -> int:
     engines = Engines(quiet=args.quiet,
                       **({"prefill_attention": args.prefill_attention} if args.prefill_attention else {}))
     modes = [m for m in args.modes.split(",") if m]
-    result = {"budget": args.budget, "tasks": args.tasks, "conversations": len(tasks), "modes": {}}
+    result = {"model": Settings(**engines.base).model, "budget": args.budget, "tasks": args.tasks,
+              "conversations": len(tasks), "modes": {}}
     turns = sum(len(t["turns"]) for t in tasks) * len(modes)
     with progress_bar(turns, "eval", quiet=args.quiet, unit="turn") as bar:
         for mode in modes:

@@ -60,6 +60,7 @@ def test_eval_draws_its_running_accuracy_only_on_a_terminal(tmp_path, monkeypatc
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
     monkeypatch.setattr(Engines, "get", lambda self, overrides: ScriptedEngine())
+    monkeypatch.setenv("RKV_MODEL", "bundled:qwen2.5-coder-0.5b")
     err = Terminal() if terminal else io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
     args = argparse.Namespace(tasks=str(tasks), modes="full,tiered", budget=64, max_tokens=4, limit=0,
@@ -67,6 +68,7 @@ def test_eval_draws_its_running_accuracy_only_on_a_terminal(tmp_path, monkeypatc
     assert eval_mt.main(args) == 0
     result = json.loads(capsys.readouterr().out)  # stdout is the result alone, bar or not
     assert result["modes"]["tiered"]["accuracy"] == 0.5
+    assert result["model"] == "bundled:qwen2.5-coder-0.5b"  # the figures say which model gave them
     if terminal and not quiet:
         assert "eval" in err.getvalue() and "12/12" in err.getvalue()
         assert "tiered: accuracy 50% (3/6)" in err.getvalue()
