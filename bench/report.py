@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bench.plot import long_message, plottable, render, run_command
 from bench.results import RESULTS, ROOT, Result, folder, shipped
+from bench.sweep import Sweep, sweeps
 
 DOC = ROOT / "docs" / "benchmarks.md"
 
@@ -117,6 +118,24 @@ def _eval(d: dict) -> list[str]:
     lines = [f"`{d['tasks']}`, {d['conversations']} conversations, budget {d['budget']}.", ""]
     head = ["mode", "correct", "accuracy per turn", *kinds, "peak device KV", "mean turn latency"]
     return lines + _table(head, rows)
+
+
+def _sweep(s: Sweep) -> list[str]:
+    """One budget sweep: every mode at every budget it ran at, ``full`` as the yardstick."""
+    rows = s.rows()
+    kinds = list(dict.fromkeys(k for _, _, m in rows for k in m.get("per_kind", {})))
+    full_bytes = s.full["peak_device_kv_bytes"] if s.full else None
+    table = [[f"`{mode}`", "-" if budget is None else budget, f"{m['correct']} / {m['total']}",
+              *(_count(m.get("per_kind", {}).get(k)) for k in kinds), _mb(m["peak_device_kv_bytes"]),
+              f"{m['peak_device_kv_bytes'] / full_bytes:.0%}" if full_bytes else "-"] for mode, budget, m in rows]
+    parity = s.parity_budget()
+    verdict = (f"The smallest budget at which `tiered` answers within one question of `full`: **{parity}**."
+               if parity is not None else "At no budget measured does `tiered` answer within one question of "
+                                          "`full`." if s.full else "`full` did not run: no yardstick.")
+    lines = [f"### Budget sweep: `{s.model}` on `{s.tasks}`, {s.conversations} conversations", "",
+             "From " + ", ".join(f"`{f}`" for f in s.files) + ".", ""]
+    head = ["mode", "budget", "correct", *kinds, "peak device KV", "of `full`'s"]
+    return lines + _table(head, table) + ["", verdict, ""]
 
 
 def _count(c: dict | None) -> str:
@@ -426,6 +445,8 @@ def build(results: list[Result], figures: str = "benchmarks", results_dir: Path 
         lines += [f"## {name}", "", ABOUT.get(name, ""), ""]
         for r in found:
             lines += part(r, figures)
+        for sweep in sweeps(found):
+            lines += _sweep(sweep)
     return "\n".join(lines).rstrip() + "\n"
 
 
