@@ -2,10 +2,10 @@
 
 An ``eval`` run covers one budget; choosing a budget needs every mode at every budget side by side.
 Results that name their model (``"model"``), ran to the end (no ``"partial"``) and share a task file
-and a number of conversations form one sweep; it is a table once some mode other than ``full`` ran at
-two budgets or more. ``full`` keeps every token whatever the budget, so it is one row, with no budget,
-and the yardstick: the sweep names the smallest budget at which ``tiered`` answers within one question
-of it.
+and a number of conversations form one sweep; it is a table once a mode other than ``full`` ran
+beside ``full`` or at two budgets. ``full`` keeps every token whatever the budget, so it is one row,
+with no budget, and the yardstick: the sweep names the smallest budget at which ``tiered`` answers
+within one question of it.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ class Sweep:
         return sorted({b for _, b in self.runs})
 
     def is_table(self) -> bool:
-        """Whether some compressed mode ran at two budgets or more."""
+        """Whether there is something to compare: a compressed mode beside ``full``, or at two budgets."""
         modes = [m for m, _ in self.runs]
-        return any(modes.count(m) > 1 for m in modes)
+        return bool(modes) and (self.full is not None or any(modes.count(m) > 1 for m in modes))
 
     def rows(self) -> list[tuple[str, int | None, dict]]:
         """``(mode, budget, summary)`` in reading order: ``full`` first, with no budget."""

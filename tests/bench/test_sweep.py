@@ -39,10 +39,11 @@ def test_modes_at_several_budgets_make_one_table_with_full_once_and_the_parity_b
     assert "**512**" in lines[-2]
 
 
-def test_a_sweep_needs_two_budgets_of_one_mode_and_complete_runs_that_name_their_model():
-    one_budget = [result("a", 256, {"full": run(8, 1), "tiered": run(8, 1)}),
-                  result("b", 512, {"snapkv": run(2, 1)})]
-    assert sweeps(one_budget) == []  # tiered and snapkv at one budget each: nothing to choose from
+def test_a_sweep_needs_full_or_two_budgets_and_complete_runs_that_name_their_model():
+    one_budget = [result("a", 256, {"tiered": run(8, 1)}), result("b", 512, {"snapkv": run(2, 1)})]
+    assert sweeps(one_budget) == []  # tiered and snapkv at one budget each, no full: nothing to compare
+    assert len(sweeps([*one_budget, result("c", 256, {"full": run(8, 1)})])) == 1  # beside full, they are
+    assert sweeps([result("c", 256, {"full": run(8, 1)})]) == []
     unnamed = [result("a", 256, {"tiered": run(8, 1)}, model=None), result("b", 512, {"tiered": run(8, 1)})]
     partial = [result("a", 256, {"tiered": run(8, 1)}, partial=True), result("b", 512, {"tiered": run(8, 1)})]
     assert sweeps(unnamed) == [] and sweeps(partial) == []
