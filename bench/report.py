@@ -124,18 +124,40 @@ def _sweep(s: Sweep) -> list[str]:
     """One budget sweep: every mode at every budget it ran at, ``full`` as the yardstick."""
     rows = s.rows()
     kinds = list(dict.fromkeys(k for _, _, m in rows for k in m.get("per_kind", {})))
-    full_bytes = s.full["peak_device_kv_bytes"] if s.full else None
-    table = [[f"`{mode}`", "-" if budget is None else budget, f"{m['correct']} / {m['total']}",
-              *(_count(m.get("per_kind", {}).get(k)) for k in kinds), _mb(m["peak_device_kv_bytes"]),
-              f"{m['peak_device_kv_bytes'] / full_bytes:.0%}" if full_bytes else "-"] for mode, budget, m in rows]
-    parity = s.parity_budget()
-    verdict = (f"The smallest budget at which `tiered` answers within one question of `full`: **{parity}**."
-               if parity is not None else "At no budget measured does `tiered` answer within one question of "
-                                          "`full`." if s.full else "`full` did not run: no yardstick.")
-    lines = [f"### Budget sweep: `{s.model}` on `{s.tasks}`, {s.conversations} conversations", "",
-             "From " + ", ".join(f"`{f}`" for f in s.files) + ".", ""]
+    full_bytes = s.full.summary.get("peak_device_kv_bytes") if s.full else None
+    table = []
+    for mode, budget, m in rows:
+        peak = m.get("peak_device_kv_bytes")
+        other = "" if mode == "full" or s.comparable(m) else " (not `full`'s questions)"
+        table.append([f"`{mode}`", "-" if budget is None else budget, f"{m['correct']} / {m['total']}{other}",
+                      *(_count(m.get("per_kind", {}).get(k)) for k in kinds), "-" if peak is None else _mb(peak),
+                      f"{peak / full_bytes:.0%}" if peak is not None and full_bytes else "-"])
+    lines = [f"### Budget sweep: `{s.setup}`", "", "Model `" + s.model + "`; from "
+             + ", ".join(f"`{f}`" for f in s.files) + ".", ""]
     head = ["mode", "budget", "correct", *kinds, "peak device KV", "of `full`'s"]
-    return lines + _table(head, table) + ["", verdict, ""]
+    lines += _table(head, table) + [""]
+    for mode, budget, taken, other in s.disagreements:
+        at = "" if budget is None else f" at {budget}"
+        lines.append(f"`{mode}`{at} answered {other.summary['correct']} / {other.summary['total']} in "
+                     f"`{other.file}`: the row is `{taken.file}`'s.")
+    return lines + [_verdict(s), ""]
+
+
+def _verdict(s: Sweep) -> str:
+    """Where ``tiered`` answers within one question of ``full``: every budget, since a smaller budget
+    that holds does not promise that every larger one does."""
+    within = s.within()
+    held = [b for b, ok in within.items() if ok]
+    if s.full is None:
+        return "`full` did not run: no yardstick."
+    if not within:
+        return "`tiered` did not run on `full`'s questions."
+    if not held:
+        return "At no budget measured does `tiered` answer within one question of `full`."
+    missed = [b for b, ok in within.items() if not ok]
+    return (f"`tiered` answers within one question of `full` at budget {', '.join(map(str, held))}"
+            + (f" (not at {', '.join(map(str, missed))})" if missed else "")
+            + f"; the smallest: **{held[0]}**.")
 
 
 def _count(c: dict | None) -> str:
