@@ -56,17 +56,12 @@ class Sweep:
     disagreements: list[tuple[str, int | None, Run, Run]] = field(default_factory=list)
 
     @property
-    def budgets(self) -> list[int]:
-        return sorted({b for _, b in self.runs})
-
-    @property
     def files(self) -> list[str]:
         return list(dict.fromkeys(r.file for r in [*([self.full] if self.full else []), *self.runs.values()]))
 
     def add(self, mode: str, budget: int, run: Run) -> None:
         """The first run of a mode and budget is its row; a later one that answers differently is kept
         as a disagreement (``full``'s at every budget count as one)."""
-        key = None if mode == "full" else budget
         taken = self.full if mode == "full" else self.runs.get((mode, budget))
         if taken is None:
             if mode == "full":
@@ -74,7 +69,7 @@ class Sweep:
             else:
                 self.runs[(mode, budget)] = run
         elif (taken.summary["correct"], taken.summary["total"]) != (run.summary["correct"], run.summary["total"]):
-            self.disagreements.append((mode, key, taken, run))
+            self.disagreements.append((mode, None if mode == "full" else budget, taken, run))
 
     def is_table(self) -> bool:
         """Whether there is something to compare: a compressed mode beside ``full``, or at two budgets."""
