@@ -9,6 +9,11 @@ context, mode and batch: decode ms per step (per token of each session), the ses
 bytes (KV and KT) and the device's peak allocation; per context and mode, the prefill time and the
 time to first token of a short second turn on top of the prefilled context and its reply.
 
+A context longer than ``--rows`` is prefilled as the engine feeds a long first prompt (``by_layer``):
+layer by layer, each over the whole prompt in groups of ``--rows`` query rows
+(``app.engine.layer_prefill``), so no activation of the whole prompt is held at once (a whole-prompt
+forward at 128k would need several GiB per MLP activation on Llama-3.1-8B's shapes).
+
 Modes: ``full`` decodes densely with SDPA per session (flash or memory-efficient attention, GQA
 folded into rows); ``full-batched`` is the same cache through the batched decode kernel's dense
 path; ``rocketkv``, ``rocketkv-mt``, ``snapkv`` and ``tiered`` run as the engine runs them. A
@@ -23,8 +28,10 @@ import time
 
 import torch
 
+from app.engine.layer_prefill import LayerPrefill
 from app.engine.model_runner import ModelRunner, Segment
 from app.engine.sampling import SamplingParams, sample_batch
+from app.engine.steps import by_layer
 from bench.common import write_json
 from bench.random_model import parse_shapes, random_model
 from rocketkv_mt.cache import SessionCache, TierContext, make_cache
@@ -110,7 +117,13 @@ class Bench:
         ids = self.ids(context)
         _sync(self.device)
         t0 = time.perf_counter()
-        logits = runner.forward(ids, cache, prefill=True, max_new=self.max_new)
+        rows = self.args.rows
+        if runner.layerable and by_layer(0, len(ids), rows, cache.last_chunk_min() is not None, cache.layers_later()):
+            plan = LayerPrefill(runner.model, cache, ids, self.max_new, rows)
+            plan.advance()
+            logits = plan.finish()
+        else:
+            logits = runner.forward(ids, cache, prefill=True, max_new=self.max_new)
         token = int(logits.argmax())
         return {"runner": runner, "cache": cache, "token": token, "prefill_s": time.perf_counter() - t0}
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import shutil
 import socket
@@ -104,10 +105,13 @@ def kernel_tests(args) -> dict:
         suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
-              if c.find("failure") is not None or c.find("error") is not None]
+    bad = [(c, c.find("failure") if c.find("failure") is not None else c.find("error")) for c in suite.iter("testcase")]
+    bad = [(c, why) for c, why in bad if why is not None]
+    # Why the first one failed, so that a failure read from the JSON alone can be acted on.
+    first = f"{bad[0][1].get('message', '')}\n{bad[0][1].text or ''}"[-1500:] if bad else None
     return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
-            "failed": failed, "returncode": proc.returncode, "tail": proc.stdout[-2000:]}
+            "failed": [f"{c.get('classname')}::{c.get('name')}" for c, _ in bad], "first_failure": first,
+            "returncode": proc.returncode, "tail": proc.stdout[-2000:]}
 
 
 def h2d(args) -> dict:
@@ -150,32 +154,25 @@ def _e2e_args(args, on_gpu: bool | None = None) -> argparse.Namespace:
         contexts="256" if quick else args.contexts, batches="1,2" if quick else args.batches,
         modes="full,rocketkv,tiered", shapes="tiny,num_hidden_layers=3" if quick else "llama-3.1-8b",
         device=None, budget=32 if quick else 256, max_new=32 if quick else 128, steps=2 if quick else 10,
-        rounds=2, warmup=1 if quick else 2, second_turn=8 if quick else 32, json_out=None,
+        rounds=2, warmup=1 if quick else 2, second_turn=8 if quick else 32, rows=64 if quick else 4096, json_out=None,
     )
 
 
 def e2e(args) -> dict:
     partial = str(Path(args.out) / "e2e.json")
-    result = bench_e2e.Bench(_e2e_args(args)).run(on_context=lambda so_far: write_json(so_far, partial, quiet=True))
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return result
+    return bench_e2e.Bench(_e2e_args(args)).run(on_context=lambda so_far: write_json(so_far, partial, quiet=True))
 
 
 def _peak_args(args, on_gpu: bool | None = None) -> argparse.Namespace:
     """bench prefill-peak's arguments: the longest e2e context on its shapes, 4096-row groups on a GPU."""
     ns = _e2e_args(args, on_gpu)
-    quick = ns.shapes.startswith("tiny")
     return argparse.Namespace(context=max(bench_e2e.parse_tokens(ns.contexts)), budget=ns.budget, modes=ns.modes,
-                              model=None, shapes=ns.shapes, device=None, rows=64 if quick else 4096, max_tokens=ns.max_new,
+                              model=None, shapes=ns.shapes, device=None, rows=ns.rows, max_tokens=ns.max_new,
                               json_out=None)
 
 
 def prefill_peaks(args) -> dict:
-    result = prefill_peak.run(_peak_args(args))
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return result
+    return prefill_peak.run(_peak_args(args))
 
 
 def estimates(args) -> dict:
@@ -318,6 +315,15 @@ def _headline(name: str, result: dict) -> str:
     return f"3 turns, TTFT {ttft} ms, Redis {result['redis_session_bytes_after_turn_3'] / 1e6:.2f} MB"
 
 
+def _free_device() -> None:
+    """After a part: what it held goes back to the device. A part that failed leaves its tensors in
+    reference cycles through the traceback's frames (only the cyclic collector frees them), and the
+    allocator's cache would keep them from the kernel tests' subprocess."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     planned = estimates(args)
@@ -343,6 +349,8 @@ def main(argv=None) -> int:
             entry = {"skipped": str(exc)}
         except Exception as exc:  # noqa: BLE001 - one part failing must not lose the others
             entry = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        finally:
+            _free_device()
         entry["wall_s"] = time.perf_counter() - start
         summary["parts"][name] = entry
         print(summary_lines({"parts": {name: entry}, "wall_s": time.perf_counter() - t0})[0], flush=True)

@@ -253,6 +253,8 @@ def add_gpu_parsers(bench) -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of alternating modes")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per mode before the first round")
     p.add_argument("--second-turn", type=int, default=32, help="tokens of the second turn whose TTFT is measured")
+    p.add_argument("--rows", type=int, default=4096, help="a longer context is prefilled layer by layer in groups of "
+                   "this many rows, as the engine feeds a long first prompt")
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.e2e"))
 

@@ -8,7 +8,7 @@ from bench import e2e
 
 def args(tmp_path, **over):
     base = dict(contexts="300", batches="1,3", modes="full,rocketkv,tiered", shapes="tiny,num_hidden_layers=3",
-                device="cpu", budget=32, max_new=32, steps=2, rounds=2, warmup=1, second_turn=8,
+                device="cpu", budget=32, max_new=32, steps=2, rounds=2, warmup=1, second_turn=8, rows=4096,
                 json_out=str(tmp_path / "e2e.json"))
     return argparse.Namespace(**{**base, **over})
 
