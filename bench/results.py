@@ -77,6 +77,14 @@ def kind(data: dict, path: Path | None = None) -> str:
         return "ops"
     if isinstance(data.get("results"), list) and data["results"] and "torch_over_onednn" in data["results"][0]:
         return "linear"
+    if "speedups" in data and isinstance(data.get("results"), list):
+        return "e2e"
+    if "parts" in data and "estimates_s" in data:
+        return "gpu-check"
+    if "tests" in data and isinstance(data.get("failed"), list):
+        return "kernel-tests"
+    if "redis_session_bytes_after_turn_3" in data:
+        return "tiered-redis"
     return path.parent.name if path is not None else "result"
 
 

@@ -137,3 +137,41 @@ def test_an_eval_with_task_kinds_shows_correct_answers_per_kind():
     assert lines[2] == "| mode | correct | accuracy per turn | needles | squad | peak device KV | mean turn latency |"
     assert lines[4].startswith("| `full` | 3 / 8 | 0.5 / 0.25 | 2 / 4 | - | 2.0 MB")
     assert lines[5].startswith("| `tiered` | 3 / 8 | 0.5 / 0.25 | 1 / 4 | 0 / 4 | 2.0 MB")
+
+
+def test_the_gpu_checks_files_read_as_tables(tmp_path):
+    """e2e (a real tiny run), the summary, the kernel tests and the tiered turns each get a table of
+    their figures, not a dump of fields."""
+    from bench import e2e
+
+    e2e_args = dict(contexts="300", batches="1,2", modes="full,rocketkv,tiered", shapes="tiny,num_hidden_layers=2",
+                    device="cpu", budget=32, max_new=16, steps=1, rounds=1, warmup=0, second_turn=8, rows=4096,
+                    json_out=str(tmp_path / "gpu" / "e2e.json"))
+    (tmp_path / "gpu").mkdir()
+    assert e2e.main(__import__("argparse").Namespace(**e2e_args)) == 0
+    base = {"command": "python -m bench.gpu_check --out results/gpu", "commit": "abcdef1"}
+    write_json({**base, "device": "GPU X", "torch": "2.x", "budget_s": 450.0, "wall_s": 100.0,
+                "estimates_s": {"e2e": 150.0, "kernel_tests": 150.0, "h2d": 10.0},
+                "parts": {"e2e": {"error": "OutOfMemoryError: " + "x" * 400, "wall_s": 75.0},
+                          "kernel_tests": {"headline": "58/59 passed; FAILED ['t']", "wall_s": 20.0},
+                          "h2d": {"skipped": "no time left", "wall_s": 0.0}}},
+               str(tmp_path / "gpu" / "summary.json"), quiet=True)
+    write_json({**base, "tests": 59, "failures": 1, "errors": 0, "skipped": 0, "passed": 58,
+                "failed": ["tests.algorithm.test_kernels::test_one[a]"], "first_failure": "AssertionError: 1 != 2"},
+               str(tmp_path / "gpu" / "kernel_tests.json"), quiet=True)
+    turn = {"ttft_ms": 12.5, "prefilled_tokens": 600, "generated_tokens": 8, "device_bytes": 1e6, "host_bytes": 2e6,
+            "redis_bytes": 3e6, "readmitted_tokens": 7, "cold_bytes_read": 4e5, "redis_bytes_written": 3e6}
+    write_json({**base, "device": "cuda", "redis": "private", "model": "random", "turns": [turn, turn],
+                "redis_session_bytes_after_turn_3": 3e6}, str(tmp_path / "gpu" / "tiered_redis.json"), quiet=True)
+    text = report.build(shipped(tmp_path), results_dir=tmp_path)
+    result = json.loads((tmp_path / "gpu" / "e2e.json").read_text())
+    for mode in ("full", "rocketkv", "tiered"):
+        row = next(line for line in text.splitlines() if line.startswith(f"| 300 | `{mode}` |"))
+        ms = result["results"][0]["decode"]["2"][mode]["ms_per_step"]
+        assert f"{ms:,.1f} ms" in row and (mode == "full") == ("x)" not in row)  # speed-up beside compressed modes
+    assert "| `e2e` | **error**: OutOfMemoryError: xxx" in text and "x" * 300 not in text
+    assert "| `kernel_tests` | 58/59 passed; FAILED ['t'] | 20 s | 150 s |" in text
+    assert "| `h2d` | skipped: no time left |" in text
+    assert "| 59 | **58** | 1 | 0 | 0 |" in text and "`test_one[a]`" in text and "AssertionError: 1 != 2" in text
+    assert text.count("| 12.5 ms | 600 | 8 | 1.0 MB | 2.0 MB | 3.0 MB | 7 | 0.4 MB | 3.0 MB |") == 2
+    assert "| field | value |" not in text

@@ -35,3 +35,16 @@ def test_e2e_reports_every_mode_and_batch(tmp_path):
 
 def test_contexts_read_k_as_1024():
     assert e2e.parse_tokens("32k, 128K,100") == [32768, 131072, 100]
+
+
+def test_a_context_longer_than_rows_is_prefilled_layer_by_layer_like_a_whole_one(tmp_path):
+    """Fed layer by layer (as the engine feeds a long first prompt) or whole, a compressed mode keeps
+    as many tokens on the device, and every mode still decodes and takes a second turn."""
+    sizes = {}
+    for rows in (64, 4096):
+        assert e2e.main(args(tmp_path, batches="1", rows=rows, json_out=str(tmp_path / f"{rows}.json"))) == 0
+        (res,) = json.loads((tmp_path / f"{rows}.json").read_text())["results"]
+        sizes[rows] = {mode: m["session_device_bytes"] for mode, m in res["modes"].items()}
+        assert all(m["ttft_second_turn_ms"] > 0 for m in res["modes"].values())
+    assert sizes[64] == sizes[4096]
+    assert sizes[64]["tiered"] < sizes[64]["full"]

@@ -67,3 +67,39 @@ def test_the_estimate_of_the_e2e_part_fits_its_budget_on_the_lent_chips():
     # full at 128k and batch 8 needs 128 GiB of KV: skipped, as the bench skips it.
     small = gpu_estimate.e2e_s(LLAMA_31_8B, [131072], [8], ["full"], 256, 10, 2, 2, gpu_estimate.CHIPS["h100"])
     assert small["decode_131072"] == 0
+
+
+def _parts(**over):
+    return {name: over.get(name, lambda a: {"skipped": "x"})
+            for name in ("e2e", "prefill_peak", "kernel_tests", "tiered_redis", "h2d", "ops")}
+
+
+def test_a_failed_part_leaves_nothing_alive_for_the_next(tmp_path, monkeypatch):
+    import weakref
+
+    class Held:  # stands for a tensor the failed part held in a reference cycle
+        pass
+
+    refs, seen = [], []
+
+    def fails(args):
+        held = Held()
+        held.cycle = held
+        refs.append(weakref.ref(held))
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(gpu_check, "PARTS", _parts(e2e=fails, prefill_peak=lambda a: seen.append(refs[0]()) or
+                                                   {"skipped": "x"}))
+    monkeypatch.setattr(gpu_check, "estimates", lambda args: dict.fromkeys(gpu_check.PARTS, 0.0))
+    assert gpu_check.main(["--out", str(tmp_path)]) == 1
+    assert seen == [None]
+    assert "out of memory" in json.loads((tmp_path / "summary.json").read_text())["parts"]["e2e"]["error"]
+
+
+def test_failed_kernel_tests_are_reported_as_failed_not_skipped(tmp_path, monkeypatch):
+    counts = {"tests": 3, "failures": 1, "errors": 0, "skipped": 0, "passed": 2, "failed": ["t::a"]}
+    monkeypatch.setattr(gpu_check, "PARTS", _parts(kernel_tests=lambda a: counts))
+    monkeypatch.setattr(gpu_check, "estimates", lambda args: dict.fromkeys(gpu_check.PARTS, 0.0))
+    assert gpu_check.main(["--out", str(tmp_path)]) == 1
+    entry = json.loads((tmp_path / "summary.json").read_text())["parts"]["kernel_tests"]
+    assert "skipped" not in entry and entry["headline"].startswith("2/3 passed; FAILED")
