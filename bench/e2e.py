@@ -112,12 +112,12 @@ class Bench:
             raise RuntimeError(f"decode failed: {next(iter(errors.values()))!r}")
         return sample_batch(logits, [(self.greedy, None)] * len(caches))
 
-    def prefill(self, mode: str, context: int) -> dict:
+    def prefill(self, mode: str, context: int, rows: int | None = None) -> dict:
         runner, cache = self.new_cache(mode, f"{mode}-{context}")
         ids = self.ids(context)
         _sync(self.device)
         t0 = time.perf_counter()
-        rows = self.args.rows
+        rows = rows or self.args.rows
         if runner.layerable and by_layer(0, len(ids), rows, cache.last_chunk_min() is not None, cache.layers_later()):
             plan = LayerPrefill(runner.model, cache, ids, self.max_new, rows)
             plan.advance()
@@ -195,7 +195,9 @@ class Bench:
     def warm_up(self) -> None:
         """Every mode once at a short context: kernels compile here, not inside a timed step."""
         context = min(2048, min(self.contexts))
-        states = {mode: self.prefill(mode, context) for mode in self.modes}
+        # In groups of rows when the timed contexts will be, so that path's kernels compile here too.
+        rows = min(self.args.rows, context // 2) if max(self.contexts) > self.args.rows else None
+        states = {mode: self.prefill(mode, context, rows) for mode in self.modes}
         for batch in sorted({1, max(self.batches)}):
             for state in states.values():
                 caches = [state["cache"]] + [_clone(state["cache"]) for _ in range(batch - 1)]
