@@ -23,6 +23,7 @@ it needs.
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import time
 
@@ -61,6 +62,15 @@ def parse_tokens(text: str) -> list[int]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    """What earlier caches held goes back to the device: a cache and its policies point at each other,
+    so a dropped one (a decode batch's copies, a context's sessions) lives until the cyclic collector
+    runs, and would otherwise crowd the next context's prefill and the free memory ``fits`` reads."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _clone(cache: SessionCache) -> SessionCache:
@@ -145,6 +155,7 @@ class Bench:
 
     def decode(self, states: dict, batch: int) -> dict:
         """Modes alternate blocks of steps over the rounds; the median step per mode."""
+        _free(self.device)  # the copies of the batch before
         groups, rows = {}, {}
         for mode, state in states.items():
             ok, need = self.fits(state["cache"], batch - 1)
@@ -178,8 +189,8 @@ class Bench:
         return rows
 
     def context(self, context: int) -> dict:
+        _free(self.device)  # the context before's sessions and copies
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         states = {mode: self.prefill(mode, context) for mode in self.modes}
         out = {"context": context, "modes": {}}
@@ -195,16 +206,19 @@ class Bench:
     def warm_up(self) -> None:
         """Every mode once at a short context: kernels compile here, not inside a timed step."""
         context = min(2048, min(self.contexts))
-        # In groups of rows when the timed contexts will be, so that path's kernels compile here too.
-        rows = min(self.args.rows, context // 2) if max(self.contexts) > self.args.rows else None
-        states = {mode: self.prefill(mode, context, rows) for mode in self.modes}
-        for batch in sorted({1, max(self.batches)}):
+        # Each way the timed contexts are prefilled (whole; layer by layer in groups of rows), so
+        # that both paths' kernels are built here.
+        ways = {context: any(c <= self.args.rows for c in self.contexts),
+                max(1, min(self.args.rows, context // 2)): any(c > self.args.rows for c in self.contexts)}
+        for rows in (r for r, used in ways.items() if used):
+            states = {mode: self.prefill(mode, context, rows) for mode in self.modes}
+            for batch in sorted({1, max(self.batches)}):
+                for state in states.values():
+                    caches = [state["cache"]] + [_clone(state["cache"]) for _ in range(batch - 1)]
+                    self.step(state["runner"], caches, [state["token"]] * batch)
             for state in states.values():
-                caches = [state["cache"]] + [_clone(state["cache"]) for _ in range(batch - 1)]
-                self.step(state["runner"], caches, [state["token"]] * batch)
-        for state in states.values():
-            self.second_turn(state)
-            state["cache"].release()
+                self.second_turn(state)
+                state["cache"].release()
 
     def run(self, on_context=None) -> dict:
         """Every context in turn; ``on_context(partial result)`` after each one (the GPU check writes

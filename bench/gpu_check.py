@@ -90,6 +90,12 @@ def _args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _why(case: ET.Element) -> ET.Element | None:
+    """A JUnit test case's failure or error element; None when it passed or was skipped."""
+    failure = case.find("failure")
+    return failure if failure is not None else case.find("error")
+
+
 def kernel_tests(args) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA: the kernel tests run interpreted in `make test` instead"}
@@ -105,8 +111,7 @@ def kernel_tests(args) -> dict:
         suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    bad = [(c, c.find("failure") if c.find("failure") is not None else c.find("error")) for c in suite.iter("testcase")]
-    bad = [(c, why) for c, why in bad if why is not None]
+    bad = [(case, _why(case)) for case in suite.iter("testcase") if _why(case) is not None]
     # Why the first one failed, so that a failure read from the JSON alone can be acted on.
     first = f"{bad[0][1].get('message', '')}\n{bad[0][1].text or ''}"[-1500:] if bad else None
     return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
@@ -318,9 +323,9 @@ def _headline(name: str, result: dict) -> str:
 
 
 def _free_device() -> None:
-    """After a part: what it held goes back to the device. A part that failed leaves its tensors in
-    reference cycles through the traceback's frames (only the cyclic collector frees them), and the
-    allocator's cache would keep them from the kernel tests' subprocess."""
+    """After a part: what it held goes back to the device. Caches and their policies point at each
+    other, and a failed part's frames hang off its traceback, so only the cyclic collector frees what a
+    part dropped; the allocator's cache would still keep it from the kernel tests' subprocess."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -13,8 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.plot import long_message, plottable, render, run_command
+from bench.report_gpu import GPU_TABLES
 from bench.results import RESULTS, ROOT, Result, folder, shipped
 from bench.sweep import Sweep, sweeps
+from bench.tables import mb as _mb
+from bench.tables import ms as _ms
+from bench.tables import table as _table
 
 DOC = ROOT / "docs" / "benchmarks.md"
 
@@ -88,25 +92,6 @@ ABOUT = {
            "torch profiler): the batched step (`auto`) against one call per session (`torch`).",
     "gpu": "The GPU check (`bench/gpu_check.py`, see the README's GPU check section).",
 }
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.1f} MB"
-
-
-def _ms(n: float) -> str:
-    return f"{n:,.1f} ms"
-
-
-def _cell(value) -> str:
-    """A table cell: a pipe or a line break inside a value (an error message) would break the row."""
-    return " ".join(str(value).split()).replace("|", "\\|")
-
-
-def _table(head: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return lines
 
 
 def _eval(d: dict) -> list[str]:
@@ -408,62 +393,6 @@ def _ops(d: dict) -> list[str]:
                            "ops a step"], rows)
 
 
-def _e2e(d: dict) -> list[str]:
-    """``bench e2e``: per context and mode, the prefill, the session's bytes and the second turn's
-    first token; decode ms per step at each batch, with the speed-up over ``full`` beside it."""
-    batches = list(dict.fromkeys(b for res in d["results"] for b in res["decode"]))
-    rows = []
-    for res in d["results"]:
-        for mode, m in res["modes"].items():
-            steps = []
-            for b in batches:
-                row = res["decode"].get(b, {}).get(mode, {})
-                full = res["decode"].get(b, {}).get("full", {}).get("ms_per_step")
-                steps.append("skipped" if "skipped" in row else "–" if "ms_per_step" not in row else
-                             _ms(row["ms_per_step"]) + (f" ({full / row['ms_per_step']:.2f}x)" if full and mode != "full"
-                                                        else ""))
-            rows.append([f"{res['context']:,}", f"`{mode}`", f"{m['prefill_s']:.2f} s", _ms(m["ttft_second_turn_ms"]),
-                         _mb(m["session_device_bytes"]), _mb(m["host_bytes"]), *steps])
-    shapes = ", ".join(f"{k} {v}" for k, v in d["shapes"].items())
-    lines = [f"Random-weight model ({shapes}), {d['dtype']} on {d['device']}, token budget {d['token_budget']}; "
-             f"decode: median ms per batched step over {d['rounds']} rounds of {d['steps']} steps (speed-up over "
-             f"`full` in brackets); second turn: {d['second_turn_tokens']} tokens after the reply.", ""]
-    return lines + _table(["context", "mode", "prefill", "2nd-turn first token", "session device", "host tier",
-                           *(f"decode, batch {b}" for b in batches)], rows)
-
-
-def _gpu_check(d: dict) -> list[str]:
-    """The GPU check's summary: each part's outcome, time and estimate."""
-    rows = [[f"`{name}`", p.get("headline") or (f"skipped: {p['skipped']}" if isinstance(p.get("skipped"), str) else
-                                                f"**error**: {p['error'][:200]}" if "error" in p else
-                                                "see its file"),
-             f"{p['wall_s']:.0f} s", f"{d['estimates_s'].get(name, 0):.0f} s"] for name, p in d["parts"].items()]
-    lines = [f"{d['device']}, torch {d['torch']}; {d['wall_s']:.0f} s of a {d['budget_s']:.0f} s budget.", ""]
-    return lines + _table(["part", "outcome", "took", "estimated"], rows)
-
-
-def _kernel_tests(d: dict) -> list[str]:
-    lines = ["The Triton kernel tests, compiled for the device.", ""]
-    lines += _table(["tests", "passed", "failed", "errors", "skipped"],
-                    [[d["tests"], f"**{d['passed']}**", d["failures"], d["errors"], d["skipped"]]])
-    if d["failed"]:
-        shown = ", ".join(f"`{t.split('::')[-1]}`" for t in d["failed"][:8])
-        lines += ["", f"Failed: {shown}" + (f" and {len(d['failed']) - 8} more" if len(d["failed"]) > 8 else "") + "."]
-    if d.get("first_failure"):
-        lines += ["", "The first failure: `" + _cell(d["first_failure"])[-400:].replace("`", "'") + "`"]
-    return lines
-
-
-def _tiered_redis(d: dict) -> list[str]:
-    rows = [[i, _ms(t["ttft_ms"]), t["prefilled_tokens"], t["generated_tokens"], _mb(t["device_bytes"]),
-             _mb(t["host_bytes"]), _mb(t["redis_bytes"]), t["readmitted_tokens"], _mb(t["cold_bytes_read"]),
-             _mb(t["redis_bytes_written"])] for i, t in enumerate(d["turns"], 1)]
-    lines = [f"A `tiered` session's turns on {d['device']} ({d['model']}), persisted to a {d['redis']} Redis "
-             "after each.", ""]
-    return lines + _table(["turn", "first token", "prefilled", "generated", "device", "host tier", "Redis",
-                           "re-admitted tokens", "cold bytes read", "Redis bytes written"], rows)
-
-
 def _fields(d: dict) -> list[str]:
     """Any other result: its scalar fields, one level of nesting flattened."""
     rows = []
@@ -481,8 +410,7 @@ TABLES: dict[str, Callable[[dict], list[str]]] = {
     "eval": _eval, "needle": _needle, "fidelity": _fidelity, "history-swap": _history_swap, "scaling": _scaling,
     "decode": _decode, "capacity": _capacity, "prefill-peak": _prefill_peak, "ttft": _ttft, "serve": _serve,
     "stall": _stall, "cluster": _cluster, "soak": _soak, "placement": _placement, "rounds": _rounds, "hsa": _hsa,
-    "linear": _linear, "ops": _ops, "e2e": _e2e, "gpu-check": _gpu_check, "kernel-tests": _kernel_tests,
-    "tiered-redis": _tiered_redis,
+    "linear": _linear, "ops": _ops, **GPU_TABLES,
 }
 
 

@@ -3,12 +3,13 @@ one section per benchmark, every run with its command, machine and commit; the r
 those fields themselves, and new results get them when they are written."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import shutil
 
-from bench import report
+from bench import e2e, report
 from bench.common import write_json
 from bench.plot import plottable
 from bench.provenance import command, commit
@@ -142,13 +143,11 @@ def test_an_eval_with_task_kinds_shows_correct_answers_per_kind():
 def test_the_gpu_checks_files_read_as_tables(tmp_path):
     """e2e (a real tiny run), the summary, the kernel tests and the tiered turns each get a table of
     their figures, not a dump of fields."""
-    from bench import e2e
-
     e2e_args = dict(contexts="300", batches="1,2", modes="full,rocketkv,tiered", shapes="tiny,num_hidden_layers=2",
                     device="cpu", budget=32, max_new=16, steps=1, rounds=1, warmup=0, second_turn=8, rows=4096,
                     json_out=str(tmp_path / "gpu" / "e2e.json"))
     (tmp_path / "gpu").mkdir()
-    assert e2e.main(__import__("argparse").Namespace(**e2e_args)) == 0
+    assert e2e.main(argparse.Namespace(**e2e_args)) == 0
     base = {"command": "python -m bench.gpu_check --out results/gpu", "commit": "abcdef1"}
     write_json({**base, "device": "GPU X", "torch": "2.x", "budget_s": 450.0, "wall_s": 100.0,
                 "estimates_s": {"e2e": 150.0, "kernel_tests": 150.0, "h2d": 10.0},

@@ -2,6 +2,11 @@
 second turn; the figures it reports are the caches' own."""
 import argparse
 import json
+import weakref
+
+import torch
+
+from app.engine.layer_prefill import LayerPrefill
 
 from bench import e2e
 
@@ -37,14 +42,40 @@ def test_contexts_read_k_as_1024():
     assert e2e.parse_tokens("32k, 128K,100") == [32768, 131072, 100]
 
 
-def test_a_context_longer_than_rows_is_prefilled_layer_by_layer_like_a_whole_one(tmp_path):
-    """Fed layer by layer (as the engine feeds a long first prompt) or whole, a compressed mode keeps
-    as many tokens on the device, and every mode still decodes and takes a second turn."""
-    sizes = {}
-    for rows in (64, 4096):
-        assert e2e.main(args(tmp_path, batches="1", rows=rows, json_out=str(tmp_path / f"{rows}.json"))) == 0
-        (res,) = json.loads((tmp_path / f"{rows}.json").read_text())["results"]
-        sizes[rows] = {mode: m["session_device_bytes"] for mode, m in res["modes"].items()}
-        assert all(m["ttft_second_turn_ms"] > 0 for m in res["modes"].values())
-    assert sizes[64] == sizes[4096]
-    assert sizes[64]["tiered"] < sizes[64]["full"]
+
+def test_a_context_longer_than_rows_is_prefilled_layer_by_layer_like_a_whole_one(tmp_path, monkeypatch):
+    """Longer than ``rows``, a context is fed layer by layer (as the engine feeds a long first prompt),
+    every mode; its first token and the bytes a mode keeps equal a whole prefill's."""
+    layered = []
+    monkeypatch.setattr(e2e, "LayerPrefill", lambda *a, **k: layered.append(a[1]) or LayerPrefill(*a, **k))
+    bench = e2e.Bench(args(tmp_path, modes=",".join(e2e.MODES)))
+    for mode in e2e.MODES:
+        fed = {}
+        for rows in (64, 4096):
+            bench.gen = torch.Generator().manual_seed(0)  # the same prompt each way
+            before = len(layered)
+            state = bench.prefill(mode, 300, rows)
+            assert len(layered) - before == (rows < 300), (mode, rows)
+            fed[rows] = (state["token"], state["cache"].device_bytes())
+            state["cache"].release()
+        assert fed[64] == fed[4096], mode
+
+
+def test_a_context_starts_with_nothing_the_one_before_held(tmp_path, monkeypatch):
+    """A decode batch's copies point at themselves through their policies: they are collected before
+    the next context prefills, not left to crowd it."""
+    copies = []
+    clone = e2e._clone
+    monkeypatch.setattr(e2e, "_clone", lambda cache: copies.append(weakref.ref(c := clone(cache))) or c)
+    bench = e2e.Bench(args(tmp_path, contexts="200,300", batches="3"))
+    alive = []
+    prefill = bench.prefill
+
+    def counted(mode, context, rows=None):
+        if context == 300 and not alive:
+            alive.append(sum(ref() is not None for ref in copies))
+        return prefill(mode, context, rows)
+
+    monkeypatch.setattr(bench, "prefill", counted)
+    bench.run()
+    assert len(copies) >= 2 * 3 * 2 and alive == [0]

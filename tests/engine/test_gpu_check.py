@@ -2,6 +2,7 @@
 e2e shapes, a 3-turn tiered conversation persisted to the suite's Redis) and every part's JSON and
 the summary are written."""
 import json
+import weakref
 
 import pytest
 import torch
@@ -75,8 +76,6 @@ def _parts(**over):
 
 
 def test_a_failed_part_leaves_nothing_alive_for_the_next(tmp_path, monkeypatch):
-    import weakref
-
     class Held:  # stands for a tensor the failed part held in a reference cycle
         pass
 
