@@ -25,9 +25,11 @@ failing or running out of time loses nothing before it; e2e is rewritten after e
    bundled SmolLM2-135M's shapes (the byte tokenizer of ``bench.byte_tokenizer``) on this device,
    persisted to Redis after every turn (a private ``redis-server`` or ``valkey-server`` on a free
    port when none answers at ``--redis-url``; skipped, with the reason, when neither is possible);
-5. ``h2d``: host-to-device copy bandwidth from pinned memory (the host tier's pool) and, for
+5. ``turn_profile``: ``bench turn-profile`` at 32k on the e2e shapes: a short second turn of
+   ``rocketkv`` and ``tiered``, timed, then again under cProfile: the host's time by function;
+6. ``h2d``: host-to-device copy bandwidth from pinned memory (the host tier's pool) and, for
    comparison, from pageable memory;
-6. ``ops``: ``bench ops`` on this device: torch ops and kernel launches per decode step per layer at
+7. ``ops``: ``bench ops`` on this device: torch ops and kernel launches per decode step per layer at
    1, 4 and 16 sessions, batched and per session.
 
 A part is not started once its estimate (``bench.gpu_estimate``) no longer fits in ``--budget-s``:
@@ -60,6 +62,7 @@ from app.engine.sampling import SamplingParams
 from app.settings import Settings
 from bench import decode_ops, gpu_estimate, prefill_peak
 from bench import e2e as bench_e2e
+from bench import turn_profile as bench_turn_profile
 from bench.common import fit_words, write_json
 from bench.haystack import filler_text
 from bench.random_model import SMOLLM2_135M, parse_shapes, random_chat_model
@@ -258,6 +261,15 @@ async def _converse(engine: Engine, session_id: str, messages: list[str], max_to
     return turns
 
 
+def turn_profile(args) -> dict:
+    """A later turn's host time by function, ``rocketkv`` against ``tiered``, at 32k on the e2e shapes."""
+    quick = args.quick or not torch.cuda.is_available()
+    return bench_turn_profile.run(argparse.Namespace(
+        context=300 if quick else 32768, modes="rocketkv,tiered", shapes="tiny,num_hidden_layers=3" if quick else
+        "llama-3.1-8b", device=None, budget=32 if quick else 256, max_new=32 if quick else 128, second_turn=8 if quick
+        else 32, rows=64 if quick else 4096, json_out=str(Path(args.out) / "turn_profile.json")))
+
+
 def tiered_redis(args) -> dict:
     with _redis(args.redis_url) as url:
         if url is None:
@@ -284,7 +296,7 @@ def tiered_redis(args) -> dict:
 
 # Most important first: a run cut short keeps the headline figures.
 PARTS = {"e2e": e2e, "prefill_peak": prefill_peaks, "kernel_tests": kernel_tests, "tiered_redis": tiered_redis,
-         "h2d": h2d, "ops": ops}
+         "turn_profile": turn_profile, "h2d": h2d, "ops": ops}
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -318,8 +330,19 @@ def _headline(name: str, result: dict) -> str:
         return f"{result['context']} tokens: " + ", ".join(
             f"{mode} {r['peak_session_bytes'] / GIB:.2f} GiB (bound {r['admission_bound_bytes'] / GIB:.2f}, "
             f"with scratch {r['peak_with_scratch_bytes'] / GIB:.2f})" for mode, r in result["modes"].items())
+    if name == "turn_profile":
+        return "second turn: " + ", ".join(f"{mode} {m['ttft_second_turn_ms']:.1f} ms ({m['python_calls']} Python calls)"
+                                           for mode, m in result["modes"].items())
     ttft = ", ".join(f"{t['ttft_ms']:.0f}" for t in result["turns"])
     return f"3 turns, TTFT {ttft} ms, Redis {result['redis_session_bytes_after_turn_3'] / 1e6:.2f} MB"
+
+
+def _nvidia_smi() -> str | None:
+    """The driver's view of the machine, kept in the summary: a lent machine sends back at most 8 files."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    proc = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
+    return (proc.stdout + proc.stderr)[-4000:]
 
 
 def _free_device() -> None:
@@ -341,7 +364,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     summary = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "torch": torch.__version__, "budget_s": args.budget_s, "estimates_s": planned, "parts": {}}
+               "torch": torch.__version__, "nvidia_smi": _nvidia_smi(), "budget_s": args.budget_s,
+               "estimates_s": planned, "parts": {}}
     for name, part in PARTS.items():
         start = time.perf_counter()
         left = args.budget_s - (start - t0)

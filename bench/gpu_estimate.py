@@ -25,7 +25,9 @@ ASSUMED = {
     "compile_s": 60.0,  # Triton kernels built on first use (every mode's, warm-up included)
 }
 # Allowances for the parts that are not arithmetic.
-ALLOWANCE_S = {"kernel_tests": 150.0, "tiered_redis": 40.0, "h2d": 10.0, "ops": 30.0}
+# The kernel tests took 25 s on an H100 (59 tests, Triton builds included); turn_profile is a model of
+# the e2e shapes, two 32k prefills and four short turns.
+ALLOWANCE_S = {"kernel_tests": 60.0, "tiered_redis": 40.0, "turn_profile": 40.0, "h2d": 10.0, "ops": 30.0}
 
 
 def _params(shapes: dict) -> int:

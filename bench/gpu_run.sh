@@ -39,5 +39,4 @@ if ! problem=$($PYTHON -c "import bench.gpu_check" 2>&1); then
   exit 5
 fi
 mkdir -p "$RESULTS"
-command -v nvidia-smi >/dev/null && nvidia-smi >"$RESULTS/nvidia-smi.txt" 2>&1
 exec $PYTHON -m bench.gpu_check --out "$RESULTS" "$@"

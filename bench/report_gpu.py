@@ -1,5 +1,6 @@
 """The GPU check's files (``bench/gpu_check.py``) as tables of ``docs/benchmarks.md``: e2e, the
-check's summary, the kernel tests and the tiered conversation persisted to Redis."""
+check's summary, the kernel tests, the tiered conversation persisted to Redis and the profile of a
+later turn."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -63,6 +64,24 @@ def _tiered_redis(d: dict) -> list[str]:
                            "re-admitted tokens", "cold bytes read", "Redis bytes written"], rows)
 
 
+
+def _turn_profile(d: dict, shown: int = 10) -> list[str]:
+    """``bench turn-profile``: each mode's second turn, then its functions by self time (profiled)."""
+    shapes = ", ".join(f"{k} {v}" for k, v in d["shapes"].items())
+    lines = [f"A {d['second_turn_tokens']}-token second turn after a {d['context']:,}-token first one, random-weight "
+             f"model ({shapes}), {d['dtype']} on {d['device']}, token budget {d['token_budget']}.", ""]
+    lines += table(["mode", "second turn, first token", "the same profiled", "Python calls"],
+                   [[f"`{mode}`", ms(m["ttft_second_turn_ms"]), ms(m["profiled_ttft_ms"]), m["python_calls"]]
+                    for mode, m in d["modes"].items()])
+    for mode, m in d["modes"].items():
+        lines += ["", f"`{mode}`, the {shown} functions the profiled turn spent most time in:", ""]
+        lines += table(["function", "calls", "self", "with callees"],
+                       [[f"`{f['function']}`", f["calls"], ms(f["self_ms"]), ms(f["cumulative_ms"])]
+                        for f in m["top"][:shown]])
+    return lines
+
+
 GPU_TABLES: dict[str, Callable[[dict], list[str]]] = {
     "e2e": _e2e, "gpu-check": _gpu_check, "kernel-tests": _kernel_tests, "tiered-redis": _tiered_redis,
+    "turn-profile": _turn_profile,
 }

@@ -85,6 +85,8 @@ def kind(data: dict, path: Path | None = None) -> str:
         return "kernel-tests"
     if "redis_session_bytes_after_turn_3" in data:
         return "tiered-redis"
+    if isinstance(modes, dict) and any("python_calls" in m for m in modes.values()):
+        return "turn-profile"
     return path.parent.name if path is not None else "result"
 
 

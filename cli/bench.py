@@ -146,6 +146,7 @@ def add_bench_parser(sub) -> None:
     add_history_swap_parser(bench)
     add_ruler_tasks_parser(bench)
     add_fidelity_parser(bench)
+    add_turn_profile_parser(bench)
     add_gpu_parsers(bench)
     add_report_parsers(bench)
 
@@ -257,6 +258,21 @@ def add_gpu_parsers(bench) -> None:
                    "this many rows, as the engine feeds a long first prompt")
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run("bench.e2e"))
+
+
+def add_turn_profile_parser(bench) -> None:
+    p = bench.add_parser("turn-profile", help="a later turn's host time per cache mode, by function (cProfile)")
+    p.add_argument("--context", type=int, default=8192, help="tokens of the first turn")
+    p.add_argument("--modes", default="rocketkv,tiered", help="bench modes (bench/e2e.py)")
+    p.add_argument("--shapes", default="smollm2-135m", help="random model shapes (bench/random_model.py)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--budget", type=int, default=256, help="RocketKV token budget")
+    p.add_argument("--max-new", type=int, default=128, help="max new tokens, for the budget split")
+    p.add_argument("--second-turn", type=int, default=32, help="tokens of the profiled second turn")
+    p.add_argument("--rows", type=int, default=4096, help="a longer first turn is prefilled layer by layer in groups "
+                   "of this many rows")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run("bench.turn_profile"))
 
 
 def add_ruler_tasks_parser(bench) -> None:

@@ -17,7 +17,8 @@ def test_gpu_check_runs_its_cpu_parts_and_skips_the_cuda_ones(tmp_path, redis_ur
     assert gpu_check.main(["--out", str(tmp_path), "--quick", "--redis-url", redis_url]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     parts = summary["parts"]
-    assert set(parts) == {"kernel_tests", "h2d", "ops", "e2e", "prefill_peak", "tiered_redis"}
+    assert set(parts) == {"kernel_tests", "h2d", "ops", "e2e", "prefill_peak", "tiered_redis", "turn_profile"}
+    assert set(json.loads((tmp_path / "turn_profile.json").read_text())["modes"]) == {"rocketkv", "tiered"}
     assert "no CUDA" in parts["kernel_tests"]["skipped"] and "no CUDA" in parts["h2d"]["skipped"]
     counts = json.loads((tmp_path / "ops.json").read_text())["counts"]["auto"]
     assert [r["sessions"] for r in counts] == [1, 4] and counts[0]["ops_per_layer"] == counts[1]["ops_per_layer"]
@@ -36,6 +37,7 @@ def test_gpu_check_runs_its_cpu_parts_and_skips_the_cuda_ones(tmp_path, redis_ur
     assert turns[1]["prefilled_tokens"] < turns[0]["prefilled_tokens"]  # the cache was kept between turns
     out = capsys.readouterr().out
     assert "gpu-check summary" in out and "tiered_redis" in out
+    assert len(list(tmp_path.iterdir())) <= 8  # all a lent machine sends back
 
 
 def test_a_part_whose_estimate_no_longer_fits_is_skipped_not_started(tmp_path, monkeypatch, capsys):
@@ -72,7 +74,7 @@ def test_the_estimate_of_the_e2e_part_fits_its_budget_on_the_lent_chips():
 
 def _parts(**over):
     return {name: over.get(name, lambda a: {"skipped": "x"})
-            for name in ("e2e", "prefill_peak", "kernel_tests", "tiered_redis", "h2d", "ops")}
+            for name in gpu_check.PARTS}
 
 
 def test_a_failed_part_leaves_nothing_alive_for_the_next(tmp_path, monkeypatch):
