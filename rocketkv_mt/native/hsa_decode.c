@@ -248,10 +248,17 @@ static void hsa_head(const Scratch *s, const Ranked *chan, const float *qh, cons
         for (; p0 + PAGE_VECS * VW <= pages; p0 += PAGE_VECS * VW) bound_logits(lj + p0, rows, wj, r, p0, PAGE_VECS);
         for (; p0 + 4 * VW <= pages; p0 += 4 * VW) bound_logits(lj + p0, rows, wj, r, p0, 4);
         for (; p0 + VW <= pages; p0 += VW) bound_logits(lj + p0, rows, wj, r, p0, 1);
-        for (; p0 < pages; ++p0) { /* the last pages, fewer than a vector */
-            float a = 0.0f;
-            for (int64_t i = 0; i < r; ++i) a += wj[i] * rows[i][p0];
-            lj[p0] = a;
+        if (p0 < pages) { /* the last pages, fewer than a vector: summed as a vector's lanes are (channels
+                           * outer, one running sum a page), so pages whose bounds are equal score equal
+                           * wherever they sit; a sum over the channels a page at a time may be
+                           * reassociated (-ffast-math) and break such ties by rounding */
+            float a[VW] = {0};
+            const int64_t n = pages - p0;
+            for (int64_t i = 0; i < r; ++i) {
+                const float wi = wj[i], *row = rows[i] + p0;
+                for (int64_t k = 0; k < n; ++k) a[k] += wi * row[k];
+            }
+            memcpy(lj + p0, a, sizeof(float) * (size_t)n);
         }
     }
     memset(scores, 0, sizeof(float) * pages);
