@@ -64,10 +64,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _free(device: torch.device) -> None:
-    """What earlier caches held goes back to the device: a cache and its policies point at each other,
-    so a dropped one (a decode batch's copies, a context's sessions) lives until the cyclic collector
-    runs, and would otherwise crowd the next context's prefill and the free memory ``fits`` reads."""
+def free_memory(device: torch.device) -> None:
+    """What dropped caches held goes back to the device: a cache and its policies point at each other
+    (and a failed run's frames hang off its traceback), so a dropped one lives until the cyclic
+    collector runs, crowding the next prefill, the free memory ``fits`` reads and, in the GPU check,
+    the parts after it; the allocator's cache would still keep it from another process."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -155,7 +156,7 @@ class Bench:
 
     def decode(self, states: dict, batch: int) -> dict:
         """Modes alternate blocks of steps over the rounds; the median step per mode."""
-        _free(self.device)  # the copies of the batch before
+        free_memory(self.device)  # the copies of the batch before
         groups, rows = {}, {}
         for mode, state in states.items():
             ok, need = self.fits(state["cache"], batch - 1)
@@ -189,7 +190,7 @@ class Bench:
         return rows
 
     def context(self, context: int) -> dict:
-        _free(self.device)  # the context before's sessions and copies
+        free_memory(self.device)  # the context before's sessions and copies
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         states = {mode: self.prefill(mode, context) for mode in self.modes}

@@ -25,7 +25,7 @@ failing or running out of time loses nothing before it; e2e is rewritten after e
    bundled SmolLM2-135M's shapes (the byte tokenizer of ``bench.byte_tokenizer``) on this device,
    persisted to Redis after every turn (a private ``redis-server`` or ``valkey-server`` on a free
    port when none answers at ``--redis-url``; skipped, with the reason, when neither is possible);
-5. ``turn_profile``: ``bench turn-profile`` at 32k on the e2e shapes: a short second turn of
+5. ``turn_profile``: ``bench turn-profile`` at the shortest e2e context (32k) on its shapes: a short second turn of
    ``rocketkv`` and ``tiered``, timed, then again under cProfile: the host's time by function;
 6. ``h2d``: host-to-device copy bandwidth from pinned memory (the host tier's pool) and, for
    comparison, from pageable memory;
@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import os
 import shutil
 import socket
@@ -114,7 +113,7 @@ def kernel_tests(args) -> dict:
         suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    bad = [(case, _why(case)) for case in suite.iter("testcase") if _why(case) is not None]
+    bad = [(case, why) for case in suite.iter("testcase") if (why := _why(case)) is not None]
     # Why the first one failed, so that a failure read from the JSON alone can be acted on.
     first = f"{bad[0][1].get('message', '')}\n{bad[0][1].text or ''}"[-1500:] if bad else None
     return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
@@ -262,12 +261,13 @@ async def _converse(engine: Engine, session_id: str, messages: list[str], max_to
 
 
 def turn_profile(args) -> dict:
-    """A later turn's host time by function, ``rocketkv`` against ``tiered``, at 32k on the e2e shapes."""
-    quick = args.quick or not torch.cuda.is_available()
+    """A later turn's host time by function, ``rocketkv`` against ``tiered``, at the shortest e2e
+    context on its shapes (32k on a GPU)."""
+    ns = _e2e_args(args)
     return bench_turn_profile.run(argparse.Namespace(
-        context=300 if quick else 32768, modes="rocketkv,tiered", shapes="tiny,num_hidden_layers=3" if quick else
-        "llama-3.1-8b", device=None, budget=32 if quick else 256, max_new=32 if quick else 128, second_turn=8 if quick
-        else 32, rows=64 if quick else 4096, json_out=str(Path(args.out) / "turn_profile.json")))
+        context=min(bench_e2e.parse_tokens(ns.contexts)), modes="rocketkv,tiered", shapes=ns.shapes, device=None,
+        budget=ns.budget, max_new=ns.max_new, second_turn=ns.second_turn, rows=ns.rows,
+        json_out=str(Path(args.out) / "turn_profile.json")))
 
 
 def tiered_redis(args) -> dict:
@@ -345,15 +345,6 @@ def _nvidia_smi() -> str | None:
     return (proc.stdout + proc.stderr)[-4000:]
 
 
-def _free_device() -> None:
-    """After a part: what it held goes back to the device. Caches and their policies point at each
-    other, and a failed part's frames hang off its traceback, so only the cyclic collector frees what a
-    part dropped; the allocator's cache would still keep it from the kernel tests' subprocess."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def main(argv=None) -> int:
     args = _args(argv)
     planned = estimates(args)
@@ -382,7 +373,7 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - one part failing must not lose the others
             entry = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         finally:
-            _free_device()
+            bench_e2e.free_memory(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         entry["wall_s"] = time.perf_counter() - start
         summary["parts"][name] = entry
         print(summary_lines({"parts": {name: entry}, "wall_s": time.perf_counter() - t0})[0], flush=True)

@@ -18,10 +18,9 @@ def _e2e(d: dict) -> list[str]:
             steps = []
             for b in batches:
                 row = res["decode"].get(b, {}).get(mode, {})
-                full = res["decode"].get(b, {}).get("full", {}).get("ms_per_step")
+                speedup = d["speedups"].get(f"{mode}_over_full", {}).get(f"{res['context']}_b{b}")
                 steps.append("skipped" if "skipped" in row else "–" if "ms_per_step" not in row else
-                             ms(row["ms_per_step"]) + (f" ({full / row['ms_per_step']:.2f}x)" if full and mode != "full"
-                                                        else ""))
+                             ms(row["ms_per_step"]) + (f" ({speedup:.2f}x)" if speedup else ""))
             rows.append([f"{res['context']:,}", f"`{mode}`", f"{m['prefill_s']:.2f} s", ms(m["ttft_second_turn_ms"]),
                          mb(m["session_device_bytes"]), mb(m["host_bytes"]), *steps])
     shapes = ", ".join(f"{k} {v}" for k, v in d["shapes"].items())
@@ -62,7 +61,6 @@ def _tiered_redis(d: dict) -> list[str]:
              "after each.", ""]
     return lines + table(["turn", "first token", "prefilled", "generated", "device", "host tier", "Redis",
                            "re-admitted tokens", "cold bytes read", "Redis bytes written"], rows)
-
 
 
 def _turn_profile(d: dict, shown: int = 10) -> list[str]:
