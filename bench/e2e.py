@@ -38,6 +38,7 @@ from bench.random_model import parse_shapes, random_model
 from rocketkv_mt.cache import SessionCache, TierContext, make_cache
 from rocketkv_mt.config import RocketKVConfig
 from tiers.host import HostTier
+from tiers.transfers import Transfers
 
 # Bench mode -> (cache mode, kernels setting of its runner).
 MODES = {
@@ -105,6 +106,8 @@ class Bench:
         spec = self.runners["auto"].spec
         per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.loaded.model.dtype.itemsize
         self.host = HostTier(int(2 * per_token * longest) + (1 << 26))
+        # The engine's page reader: a tiered turn reads its next layer's pages on it (a side stream on CUDA).
+        self.transfers = Transfers(self.device)
         self.rocket = RocketKVConfig(token_budget=args.budget)
         self.gen = torch.Generator().manual_seed(0)
         self.greedy = SamplingParams()
@@ -115,7 +118,7 @@ class Bench:
     def new_cache(self, mode: str, sid: str) -> tuple[ModelRunner, SessionCache]:
         cache_mode, kernels = MODES[mode]
         runner = self.runners[kernels]
-        return runner, make_cache(cache_mode, runner.spec, self.rocket, tiers=TierContext(self.host, sid))
+        return runner, make_cache(cache_mode, runner.spec, self.rocket, tiers=TierContext(self.host, sid, transfers=self.transfers))
 
     def step(self, runner: ModelRunner, caches: list[SessionCache], tokens: list[int]) -> list[int]:
         logits, errors = runner.step([Segment(c, [t]) for c, t in zip(caches, tokens)])

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from cache_drive import SPEC, forward, forward_layered, layer_inputs, tier_context
-from rocketkv_mt.cache import CacheBroken, TierPolicy, make_cache
+from rocketkv_mt.cache import CacheBroken, TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
+from tiers.host import HostTier
+from tiers.transfers import Transfers
 
 ROCKET = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
 FIRST, LATER = 200, 150
@@ -56,6 +58,39 @@ def test_a_later_turn_fed_layer_by_layer_is_the_whole_prefill(reselect, rows):
             torch.testing.assert_close(y, x, atol=1e-4, rtol=0)
     for cache in (whole, layered):
         cache.release()
+
+
+@pytest.mark.parametrize("policy", [TierPolicy(page_tokens=8, reselect="exhaustive"),
+                                    TierPolicy(page_tokens=8, sketch_pool=24.0)], ids=["whole-read", "sketch-pool"])
+@torch.inference_mode()
+def test_each_layer_s_pages_are_read_ahead_while_the_layer_before_runs(policy):
+    """With a page reader, a layer's whole read (or its whole pool's sketch decode) starts on it during
+    the layer before, as in a whole prefill; the turn is the one fed without a reader."""
+    transfers = Transfers(torch.device("cpu"))
+    events = []
+    start = transfers.start
+    transfers.start = lambda fn, **kw: events.append("start") or start(fn, **kw)
+    inline, ahead = (make_cache("tiered", SPEC, ROCKET, TierContext(HostTier(64 << 20, None), name, policy, reader))
+                     for name, reader in (("inline", None), ("ahead", transfers)))
+    for cache in (inline, ahead):
+        _with_history(cache)
+    window = ahead.layered_window
+    ahead.layered_window = lambda layer, q, s: events.append(layer) or window(layer, q, s)
+    inputs = layer_inputs(torch.Generator().manual_seed(17), LATER)
+    expect = forward_layered(inline, inputs, max_new=3, rows=40)
+    events.clear()
+    got = forward_layered(ahead, inputs, max_new=3, rows=40)
+    for a, b in zip(expect, got):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    for a, b in zip(inline.layers, ahead.layers):
+        assert torch.equal(a.positions, b.positions)
+    windows = [i for i, e in enumerate(events) if e != "start"]
+    assert [events[i] for i in windows] == list(range(SPEC.num_layers))
+    for before, at in zip(windows, windows[1:]):  # the next layer's read began before its own window
+        assert "start" in events[before + 1 : at], events
+    for cache in (inline, ahead):
+        cache.release()
+    transfers.close()
 
 
 @torch.inference_mode()

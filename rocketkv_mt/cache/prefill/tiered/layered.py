@@ -9,7 +9,8 @@ primary set from the window rows' mass. Fed layer by layer, each layer does the 
 and make the choice (``window``); then the turn's rows attend in groups over the device and the pages
 read (``rows``), and after the last group the choice is applied (``end``): turn tokens Stage 1 does not
 keep are demoted to the cold tiers as pages, chosen cold ones promoted, before the next layer runs.
-So a layer holds its turn tokens and its pages read back only while it is the one running.
+So a layer holds its turn tokens and its pages read back only while it is the one running (and, from
+its window on, the next layer's read ahead, as a whole prefill holds it).
 
 Shapes: q_win (Hq, w, d) the layer's window rows; q (Hq, r, d) a group of r rows starting at turn row
 ``first_row``; keys and values (Hkv, T, d).
@@ -53,6 +54,9 @@ class TieredLayeredTurn:
         cache, cold = policy.cache, policy.cold[layer]
         store, split, n = cache.layers[layer], cache.split, cache.step.n_new
         w, total, kernels = q_win.shape[1], cache.history_len + n, cache.spec.kernels
+        # The next layer's sketch decode or whole read runs on the page reader beside this layer's
+        # reads and row groups, as it runs beside a whole prefill's attention; the turn's bound counts it.
+        policy.reads.prefetch(layer + 1)
         if not cold.has_pages():  # nothing cold: Stage 1 over the store after the rows, as a first turn's
             self._running[layer] = _Running(None, None, None, None, q_win, scaling)
             return
