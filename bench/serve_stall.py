@@ -154,8 +154,8 @@ async def _stall(url: str, args, bar) -> dict:
     longest = sorted((b - a, a) for s in streams for a, b in s.timed_gaps(sent, first))[-5:]
     p95_before = pct([g * 1000 for g in baseline], 0.95)
     max_pause = round(max(during) * 1000, 1) if during else None
-    counters = ("batch_steps", "batch_prefill_chunks", "batch_layered_slices", "batch_prefills", "batch_mixed_steps",
-                "batch_decode_tokens")
+    counters = ("batch_steps", "batch_prefill_chunks", "batch_layered_slices", "batch_layered_deferred",
+                "batch_prefills", "batch_mixed_steps", "batch_decode_tokens")
     return {
         "gap_before_p95_ms": p95_before,
         "max_pause_ms": max_pause,

@@ -339,6 +339,11 @@ class Batcher:
         its end, its first token is drawn and handed over."""
         if self._stopped(req):
             return
+        if others and req.plan is not None and not req.plan.ready():
+            # Its next layer would wait for the layer before it, applying its choice on the page reader:
+            # the others' next step runs meanwhile.
+            self.stats.layered_deferred += 1
+            return
         t0 = time.perf_counter()
         slice_s = (max(SELECT_MIN_S, SELECT_FRACTION * (self._decode.value or self._last_step_s)) if others
                    else ALONE_SLICE_S)

@@ -82,12 +82,17 @@ class LayerPrefill:
     @torch.inference_mode()
     def advance(self, deadline: float | None = None, fit: bool = False) -> int:
         """Feed groups, at least one, until every layer has had the prompt or ``time.perf_counter()``
-        passes ``deadline`` (None: to the end), sizing them to end near it when ``fit``; returns the
-        rows fed."""
+        passes ``deadline`` (None: to the end), sizing them to end near it when ``fit`` (and then ending
+        with a layer, too); returns the rows fed."""
         fed = 0
         while not self.done:
+            layer = self.layer
             fed += self.feed_group(self._group(deadline, time.perf_counter()) if fit else self.rows, wait=fit)
             if deadline is not None and time.perf_counter() >= deadline:
+                break
+            if fit and self.layer != layer:
+                # A layer ended: its choice may be being applied on the page reader (a later turn on a
+                # CPU), which the next layer would wait for here; other sessions' steps go first.
                 break
         self._wait()  # the slice's time is the device's, not what queueing its work took
         return fed
@@ -133,6 +138,12 @@ class LayerPrefill:
         if wait:
             self._wait()
         return 0  # no row has been through the layer yet
+
+    def ready(self) -> bool:
+        """Whether the next group runs without waiting: a later turn's next layer first waits for the
+        layer before it to have applied its choice (on a CPU, on the page reader)."""
+        return self.done or not (self.keys_first and not self.keyed and self.offset == 0) or \
+            self.cache.layered_ready(self.layer)
 
     def _group(self, deadline: float | None, now: float) -> int:
         """Rows of the next group: ``rows``, or with a deadline as many as fit before it at the running

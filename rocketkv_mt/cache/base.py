@@ -114,6 +114,11 @@ class SessionCache(Protocol):
         """How many of the turn's last rows are its window."""
         ...
 
+    def layered_ready(self, layer: int) -> bool:
+        """A later turn fed layer by layer: whether ``layer`` can take the turn's keys without waiting
+        (the layer before it has applied its choice, which may run on the page reader)."""
+        ...
+
     def layered_window(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
         """A later turn fed layer by layer: the layer's window rows (Hq, w), once it holds the turn's keys."""
         ...

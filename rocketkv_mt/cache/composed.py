@@ -137,10 +137,14 @@ class ComposedCache:
             raise RuntimeError(f"layer {layer}: keys out of turn ({fed} + {n} of {total})")
         store = self.layers[layer]
         if fed == 0:
+            self._later.begin(layer)
             store.reserve(store.length + total)  # the layer's turn, in place: no copy as it grows
         start = self.history_len + fed
         store.append(k, v, torch.arange(start, start + n, device=self.spec.device))
         self._keyed[layer] = fed + n
+
+    def layered_ready(self, layer: int) -> bool:
+        return self._later is None or self._later.ready(layer)
 
     def layered_window_rows(self) -> int:
         """How many of the turn's last rows are its window (``layered_window``)."""

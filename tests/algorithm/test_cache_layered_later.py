@@ -3,10 +3,12 @@ and cold pages): each layer takes the turn's keys first, its window rows pick th
 1's choice, then its rows attend in groups. The same outputs, kept tokens, keys and cold pages as the
 whole prefill, however the rows are grouped; a layer holds the turn only while it runs; taken back
 half way, the cache is released, keeps its history and is marked broken (rebuilt at the next turn)."""
+import threading
+
 import pytest
 import torch
 
-from cache_drive import SPEC, forward, forward_layered, layer_inputs, tier_context
+from cache_drive import SCALING, SPEC, forward, forward_layered, layer_inputs, tier_context
 from rocketkv_mt.cache import CacheBroken, TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
 from tiers.host import HostTier
@@ -89,6 +91,60 @@ def test_each_layer_s_pages_are_read_ahead_while_the_layer_before_runs(policy):
     for before, at in zip(windows, windows[1:]):  # the next layer's read began before its own window
         assert "start" in events[before + 1 : at], events
     for cache in (inline, ahead):
+        cache.release()
+    transfers.close()
+
+
+@torch.inference_mode()
+def test_on_a_cpu_a_layer_s_choice_is_applied_on_the_page_reader_and_the_next_layer_waits_for_it():
+    """Each layer but the last applies its choice (demoting the turn's tokens) on the page reader; the
+    next layer is not ready to take the turn's keys until that is done, and when fed anyway waits for
+    it. Outputs and kept positions are those of a turn applied inline."""
+    policy = TierPolicy(page_tokens=8)
+    transfers = Transfers(torch.device("cpu"))
+    inline, beside = (make_cache("tiered", SPEC, ROCKET, TierContext(HostTier(64 << 20, None), name, policy, reader))
+                      for name, reader in (("inline", None), ("beside", transfers)))
+    for cache in (inline, beside):
+        _with_history(cache)
+    inputs = layer_inputs(torch.Generator().manual_seed(18), LATER)
+    expect = forward_layered(inline, inputs, max_new=3, rows=40)
+    apply, gate, threads = beside.prefill.apply, threading.Event(), {}
+
+    def gated_apply(layer, pending):
+        threads[layer] = threading.current_thread().name
+        if layer == 0:
+            assert gate.wait(10)
+        apply(layer, pending)
+
+    beside.prefill.apply = gated_apply
+    beside.begin_layered(LATER, 3)
+    q, k, v = inputs[0]
+    beside.layered_keys(0, k[0], v[0])
+    beside.layered_window(0, q[0, :, -beside.layered_window_rows():], SCALING)
+    first = beside.attend(0, q, k, v, SCALING)
+    held = beside.layers[0].length
+    assert not beside.layered_ready(1) and held > ROCKET.token_budget  # layer 0 still holds the turn
+    gate.set()
+    q, k, v = inputs[1]
+    beside.layered_keys(1, k[0], v[0])  # waits for layer 0's application
+    assert beside.layers[0].length < held
+    beside.layered_window(1, q[0, :, -beside.layered_window_rows():], SCALING)
+    got = [first, beside.attend(1, q, k, v, SCALING)]
+    for layer in range(2, SPEC.num_layers):
+        q, k, v = inputs[layer]
+        beside.layered_keys(layer, k[0], v[0])
+        beside.layered_window(layer, q[0, :, -beside.layered_window_rows():], SCALING)
+        got.append(beside.attend(layer, q, k, v, SCALING))
+    beside.end_layered()
+    for a, b in zip(expect, got):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    last = SPEC.num_layers - 1
+    assert all(threads[i].startswith("rkv-pages") for i in range(last)) and threads[last] == "MainThread"
+    for cache in (inline, beside):
+        cache.end_turn()
+    for a, b in zip(inline.layers, beside.layers):
+        assert torch.equal(a.positions, b.positions)
+    for cache in (inline, beside):
         cache.release()
     transfers.close()
 

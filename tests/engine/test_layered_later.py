@@ -3,10 +3,13 @@
 sessions' steps; stopped between two slices (a cancel, a disconnect, a device-memory refusal), the turn
 is undone, the session keeps its history and its next turn rebuilds the cache and goes as if the stopped
 one had never been sent."""
+import asyncio
+
 import pytest
 import torch
 
 from app.engine import batcher as batcher_module
+from app.engine.layer_prefill import LayerPrefill
 from app.engine.sampling import SamplingParams
 import turn_helpers
 from turn_helpers import message, reply_ids
@@ -43,6 +46,33 @@ async def test_a_long_later_message_is_fed_layer_by_layer_as_a_whole_prefill_wou
         assert torch.equal(x, y)
     stats = engine.stats()
     assert stats["device_reservation_overruns"] == 0
+
+
+async def test_while_the_next_layer_is_not_ready_the_streams_go_on_and_the_message_is_the_same(make_engine,
+                                                                                               monkeypatch):
+    """A long later message whose next layer is not ready (the layer before still applies its choice on
+    the page reader; here said so for two thirds of the asks) gives its slice up to the streaming
+    sessions' steps: the message's reply and kept positions are those of a message never put off."""
+    engine = make_engine(prefill_chunk=CHUNK)
+    later = message(engine, 24, 230)
+    reference, deferred, streaming = (engine.create_session(mode="tiered", budget=64) for _ in range(3))
+    for session in (reference, deferred):
+        await with_cold_pages(engine, session)
+    done_ref = await run_turn(engine, reference.id, later)
+    ready, asks = LayerPrefill.ready, []
+    monkeypatch.setattr(LayerPrefill, "ready", lambda plan: bool(asks.append(1)) or len(asks) % 3 == 0 and ready(plan))
+    started = asyncio.Event()
+    streams = asyncio.ensure_future(turn_helpers.stream(engine, streaming.id, message(engine, 25, 40),
+                                                        SamplingParams(max_tokens=400), started, 1))
+    await started.wait()
+    steps = engine.batcher.stats.decode_steps
+    done = await run_turn(engine, deferred.id, later)
+    assert engine.batcher.stats.layered_deferred > 0
+    assert engine.batcher.stats.decode_steps > steps  # the stream went on meanwhile
+    await streams
+    assert reply_ids(deferred, done) == reply_ids(reference, done_ref)
+    for x, y in zip(deferred.cache.layers, reference.cache.layers):
+        assert torch.equal(x.positions, y.positions)
 
 
 @pytest.mark.parametrize("how", ["cancel", "disconnect", "refusal"])

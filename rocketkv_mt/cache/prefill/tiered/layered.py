@@ -18,6 +18,7 @@ Shapes: q_win (Hq, w, d) the layer's window rows; q (Hq, r, d) a group of r rows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -81,13 +82,29 @@ class TieredLayeredTurn:
         out, _ = merge(parts, q.dtype)
         return out
 
+    def begin(self, layer: int) -> None:
+        """Before the layer takes the turn's keys: the layer before it has applied its choice (it may
+        still be applying it on the page reader), so one layer at a time holds the turn."""
+        self.policy.previous_chosen(layer)
+
+    def ready(self, layer: int) -> bool:
+        """Whether ``begin`` would not wait: the layer before has applied its choice."""
+        return self.policy.previous_settled(layer)
+
     def end(self, layer: int) -> None:
-        """Every row has attended: the choice becomes the layer's primary set (the rest goes cold)."""
+        """Every row has attended: the choice becomes the layer's primary set (the rest goes cold). On
+        a CPU the application (demoting the turn's tokens as pages) runs on the page reader, beside
+        other sessions' decode steps, until the next layer begins: it took 20 to 120 ms of one core
+        for a 5.5k-token turn, longer than a slice, and was the longest pause of the streams."""
         run = self._running.pop(layer)
-        if run.choice is None:
-            self.policy.select(layer, run.q_win, run.scaling)
-        else:
-            self.policy.apply(layer, run.choice)
+        policy = self.policy
+        apply = (partial(policy.select, layer, run.q_win, run.scaling) if run.choice is None
+                 else partial(policy.apply, layer, run.choice))
+        if not policy.settles_beside(layer):
+            apply()
+            return
+        held = run.choice.cand if run.choice is not None else ()
+        policy.settle_beside(layer, apply, held)
 
     def drop(self) -> None:
         """A prefill taken back, or the cache released: what the running layer held goes."""

@@ -1,5 +1,6 @@
 """A layer's re-selection between its prefill's attention and its settling: the states it passes
-through (``Pending``, ``Choosing``, ``Settling``) and the device bytes each holds meanwhile.
+through (``Pending``, ``Choosing``, ``Settling``), the device bytes each holds meanwhile, and whether
+it is ``ready`` (``chosen`` would not wait).
 
 Owned by ``ReselectTiered`` (``policy``), which makes one per layer as it attends and settles it; the
 page reader only runs the jobs a ``Choosing`` or ``Settling`` waits for. ``chosen`` hands over what is
@@ -31,6 +32,9 @@ class Pending:
     def chosen(self) -> "Pending":
         return self
 
+    def ready(self) -> bool:
+        return True
+
     def end(self) -> None:
         """Let work on the page reader end, its result dropped (nothing runs for a chosen selection)."""
 
@@ -54,6 +58,9 @@ class Choosing:
     def chosen(self) -> Pending:
         return self.transfers.wait(self.future)
 
+    def ready(self) -> bool:
+        return self.future.done()
+
     def end(self) -> None:
         self.future.exception()
 
@@ -75,6 +82,9 @@ class Settling:
     def chosen(self) -> None:
         self.transfers.wait(self.future)
         return None
+
+    def ready(self) -> bool:
+        return self.future.done()
 
     def end(self) -> None:
         self.future.exception()

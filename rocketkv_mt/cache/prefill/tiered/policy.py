@@ -97,7 +97,7 @@ class ReselectTiered(PrefillPolicy):
         w = q_win.shape[1]
         total = cache.history_len + n
         if not cold.has_pages():
-            self._previous_chosen(layer)
+            self.previous_chosen(layer)
             out = dense_attention(q, store.keys, store.values, scaling)
             if store.length <= split.prompt_budget:
                 cache.selected(layer, store, None)
@@ -114,7 +114,7 @@ class ReselectTiered(PrefillPolicy):
         ahead = None if whole else self.reads.pool_logits_ahead(layer, q_win, scaling)
         self.reads.prefetch(layer + 1)
         window = attend_part(q_win, store.keys, store.values, scaling, w, own_tail=n, first_row=n - w, backend=kernels)
-        self._previous_chosen(layer)
+        self.previous_chosen(layer)
         read = partial(self.reads.candidates, layer, q_win, window, scaling, total, whole, ahead)
         transfers = self.tiers.transfers
         reading = transfers.start(read) if transfers is not None and transfers.pays(n > w) else None
@@ -129,11 +129,10 @@ class ReselectTiered(PrefillPolicy):
             parts.append(attend_part(q, keys, values, scaling, w, visible=visible, backend=kernels))
         out, lse = merge(parts, q.dtype)
         choose = partial(choose_selection, parts, lse, store.positions, store.length, cand, total, w, split, kernels)
-        if policy.prefill_attention != "selected" and whole and self._settles_beside(layer):
+        if policy.prefill_attention != "selected" and whole and self.settles_beside(layer):
             # A layer read whole holds every cold page one layer at a time, so it applies its choice at once:
             # chosen and applied on the page reader while this thread goes on, where that pays.
-            self._pending[layer] = Settling(transfers.start(partial(self._choose_and_apply, layer, choose)), cand,
-                                            transfers)
+            self.settle_beside(layer, partial(self._choose_and_apply, layer, choose), cand)
         elif policy.prefill_attention == "selected" or whole:
             self.apply(layer, choose())
         elif transfers is not None and transfers.pays(True):
@@ -161,12 +160,17 @@ class ReselectTiered(PrefillPolicy):
         )
         self._reorganise(layer, slots, positions, scores, None)
 
-    def _previous_chosen(self, layer: int) -> None:
+    def previous_chosen(self, layer: int) -> None:
         """The layer before this one chosen (and applied, if that ran on the page reader), before this
         one reads pages or demotes: one layer's read is held at a time, and the chain of layers leaves
         nothing running on the reader once the last layer has attended."""
         if layer and self._pending[layer - 1] is not None:
             self._pending[layer - 1] = self._pending[layer - 1].chosen()
+
+    def previous_settled(self, layer: int) -> bool:
+        """Whether ``previous_chosen`` would not wait for the page reader."""
+        pending = self._pending[layer - 1] if layer else None
+        return pending is None or pending.ready()
 
     def _settle(self, layer: int) -> None:
         """Run a layer's pending re-selection on the keys its turn attended to (or wait for the page
@@ -186,14 +190,21 @@ class ReselectTiered(PrefillPolicy):
     def _choose_and_apply(self, layer: int, choose) -> None:
         self.apply(layer, choose())
 
-    def _settles_beside(self, layer: int) -> bool:
-        """Whether a layer read whole applies its choice on the page reader, beside the next layer's
-        work on this thread: on a CPU (the other core), for every layer but the last (which nothing
-        after it in the step would wait for). On CUDA the application's kernels would allocate on the
-        side stream what the main stream then keeps: it stays on this thread, whose launches are cheap."""
+    def settles_beside(self, layer: int) -> bool:
+        """Whether a layer applies its choice on the page reader (``settle_beside``), beside the next
+        layer's work or other sessions' steps on this thread: on a CPU (the other core), for every layer
+        but the last (which nothing after it in the step would wait for). On CUDA the application's
+        kernels would allocate on the side stream what the main stream then keeps: it stays on this
+        thread, whose launches are cheap."""
         transfers = self.tiers.transfers
         return (transfers is not None and not transfers.on_device_stream()
                 and layer + 1 < len(self.cold))
+
+    def settle_beside(self, layer: int, job, held: tuple) -> None:
+        """Run ``job`` (the layer's choice applied, or chosen and applied) on the page reader; ``held``:
+        the pages read that it holds until done. The next layer waits for it (``previous_chosen``)."""
+        transfers = self.tiers.transfers
+        self._pending[layer] = Settling(transfers.start(job), held, transfers)
 
     def settle(self) -> None:
         """Every layer's pending re-selection, now (before a new turn, at a turn's end, before persisting)."""
