@@ -118,7 +118,8 @@ class Bench:
     def new_cache(self, mode: str, sid: str) -> tuple[ModelRunner, SessionCache]:
         cache_mode, kernels = MODES[mode]
         runner = self.runners[kernels]
-        return runner, make_cache(cache_mode, runner.spec, self.rocket, tiers=TierContext(self.host, sid, transfers=self.transfers))
+        tiers = TierContext(self.host, sid, transfers=self.transfers)
+        return runner, make_cache(cache_mode, runner.spec, self.rocket, tiers=tiers)
 
     def step(self, runner: ModelRunner, caches: list[SessionCache], tokens: list[int]) -> list[int]:
         logits, errors = runner.step([Segment(c, [t]) for c, t in zip(caches, tokens)])

@@ -83,16 +83,16 @@ class LayerPrefill:
     def advance(self, deadline: float | None = None, fit: bool = False) -> int:
         """Feed groups, at least one, until every layer has had the prompt or ``time.perf_counter()``
         passes ``deadline`` (None: to the end), sizing them to end near it when ``fit`` (and then ending
-        with a layer, too); returns the rows fed."""
+        with a layer whose next one is not ``ready``); returns the rows fed."""
         fed = 0
         while not self.done:
             layer = self.layer
             fed += self.feed_group(self._group(deadline, time.perf_counter()) if fit else self.rows, wait=fit)
             if deadline is not None and time.perf_counter() >= deadline:
                 break
-            if fit and self.layer != layer:
-                # A layer ended: its choice may be being applied on the page reader (a later turn on a
-                # CPU), which the next layer would wait for here; other sessions' steps go first.
+            if fit and self.layer != layer and not self.ready():
+                # A layer ended and is applying its choice on the page reader (a later turn on a CPU),
+                # which the next layer would wait for here: other sessions' steps go first.
                 break
         self._wait()  # the slice's time is the device's, not what queueing its work took
         return fed

@@ -183,7 +183,7 @@ class BatchStats:
     jobs: int = 0
     selection_slices: int = 0  # slices of a chunked prefill's deferred selection run between steps
     layered_slices: int = 0  # slices of prefills fed layer by layer run between steps
-    layered_deferred: int = 0  # their slices put off while a layer before applied its choice beside
+    layered_deferred: int = 0  # times their next slice was put off: the layer before still applied its choice
     failed_segments: int = 0  # segments whose cache raised (only that session failed)
     failed_steps: int = 0  # forwards that raised outside the caches (every segment failed)
     busy_s: float = 0.0  # time spent in steps and jobs

@@ -2,8 +2,9 @@
 took are promoted, the device tokens it left demoted, and the decode set is rebuilt. Whole or not at
 all: a failure leaves the layer as it was, or marks the cache broken where it cannot.
 
-Called by ``ReselectTiered`` (``policy``) only, on the model thread or, for a layer read whole, as a
-job on the page reader while the model thread goes on with the next layer (which waits for it).
+Called by ``ReselectTiered`` (``policy``) only, on the model thread or, on a CPU, as a job on the page
+reader (a layer read whole, while the model thread goes on with the next layer; a layer of a turn fed
+layer by layer, while other sessions' steps run): the next layer waits for it.
 """
 from __future__ import annotations
 

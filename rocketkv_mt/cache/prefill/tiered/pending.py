@@ -67,10 +67,11 @@ class Choosing:
 
 @dataclass
 class Settling:
-    """A layer's re-selection being chosen and applied on the page reader (Stage 1's choice, promote,
-    demote, the decode set) while the model thread goes on with the next layer, which waits for it
-    before reading its own pages: ``chosen`` hands over nothing left to apply. ``cand``, every page
-    the layer read, is held until then."""
+    """A layer's re-selection being applied (and, for a layer read whole, chosen) on the page reader
+    (promote, demote, the decode set) while the model thread goes on, with the next layer (which waits
+    for it before reading its own pages) or with other sessions' steps between the slices of a turn
+    fed layer by layer (whose next layer waits for it before taking the turn's keys): ``chosen`` hands
+    over nothing left to apply. ``cand``, the pages read that the job holds, is held until then."""
 
     future: object  # concurrent.futures.Future of the application
     cand: tuple

@@ -193,9 +193,9 @@ class ReselectTiered(PrefillPolicy):
     def settles_beside(self, layer: int) -> bool:
         """Whether a layer applies its choice on the page reader (``settle_beside``), beside the next
         layer's work or other sessions' steps on this thread: on a CPU (the other core), for every layer
-        but the last (which nothing after it in the step would wait for). On CUDA the application's
-        kernels would allocate on the side stream what the main stream then keeps: it stays on this
-        thread, whose launches are cheap."""
+        but the last (the turn's first token follows it, and nothing would go on beside it). On CUDA
+        the application's kernels would allocate on the side stream what the main stream then keeps:
+        it stays on this thread, whose launches are cheap."""
         transfers = self.tiers.transfers
         return (transfers is not None and not transfers.on_device_stream()
                 and layer + 1 < len(self.cold))
@@ -240,6 +240,10 @@ class ReselectTiered(PrefillPolicy):
         return max(cold.live_page_count() for cold in self.cold)
 
     def cold_residency(self, layer: int) -> ColdResidency:
+        # Between two slices of a turn fed layer by layer, the layer may still be applying its choice on
+        # the page reader: its cold pages are read once that is done.
+        if self._pending[layer] is not None:
+            self._pending[layer] = self._pending[layer].chosen()
         return self.cold[layer].residency()
 
     def cold_bytes(self) -> dict[str, int]:
