@@ -25,8 +25,9 @@ failing or running out of time loses nothing before it; e2e is rewritten after e
    bundled SmolLM2-135M's shapes (the byte tokenizer of ``bench.byte_tokenizer``) on this device,
    persisted to Redis after every turn (a private ``redis-server`` or ``valkey-server`` on a free
    port when none answers at ``--redis-url``; skipped, with the reason, when neither is possible);
-5. ``turn_profile``: ``bench turn-profile`` at the shortest e2e context (32k) on its shapes: a short second turn of
-   ``rocketkv`` and ``tiered``, timed, then again under cProfile: the host's time by function;
+5. ``turn_profile``: ``bench turn-profile`` at the shortest e2e context (32k) on its shapes: a short
+   second turn of ``rocketkv`` and ``tiered``, timed, then again under cProfile: the host's time by
+   function;
 6. ``h2d``: host-to-device copy bandwidth from pinned memory (the host tier's pool) and, for
    comparison, from pageable memory;
 7. ``ops``: ``bench ops`` on this device: torch ops and kernel launches per decode step per layer at

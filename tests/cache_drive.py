@@ -13,9 +13,10 @@ HQ = 4
 SCALING = SPEC.head_dim ** -0.5
 
 
-def tier_context(policy: TierPolicy | None = None, session_id: str = "s") -> TierContext:
-    """A host tier of its own (no Redis), large enough that nothing spills."""
-    return TierContext(host=HostTier(64 << 20, None), session_id=session_id, policy=policy or TierPolicy(page_tokens=8))
+def tier_context(policy: TierPolicy | None = None, session_id: str = "s", transfers=None) -> TierContext:
+    """A host tier of its own (no Redis), large enough that nothing spills; ``transfers``: a page reader."""
+    return TierContext(host=HostTier(64 << 20, None), session_id=session_id, policy=policy or TierPolicy(page_tokens=8),
+                       transfers=transfers)
 
 
 def random_qkv(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

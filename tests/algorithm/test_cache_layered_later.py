@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from cache_drive import SCALING, SPEC, forward, forward_layered, layer_inputs, tier_context
-from rocketkv_mt.cache import CacheBroken, TierContext, TierPolicy, make_cache
+from rocketkv_mt.cache import CacheBroken, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
-from tiers.host import HostTier
 from tiers.transfers import Transfers
 
 ROCKET = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
 FIRST, LATER = 200, 150
 
 
-def _cache(name: str, reselect: str = "digest"):
-    return make_cache("tiered", SPEC, ROCKET, tier_context(TierPolicy(page_tokens=8, reselect=reselect), name))
+def _cache(name: str, reselect: str = "digest", policy: TierPolicy | None = None, transfers=None):
+    policy = policy or TierPolicy(page_tokens=8, reselect=reselect)
+    return make_cache("tiered", SPEC, ROCKET, tier_context(policy, name, transfers))
 
 
 @torch.inference_mode()
@@ -79,8 +79,7 @@ def test_each_layer_s_pages_are_read_ahead_while_the_layer_before_runs(policy):
         return start(fn, **kw)
 
     transfers.start = recorded
-    inline, ahead = (make_cache("tiered", SPEC, ROCKET, TierContext(HostTier(64 << 20, None), name, policy, reader))
-                     for name, reader in (("inline", None), ("ahead", transfers)))
+    inline, ahead = _cache("inline", policy=policy), _cache("ahead", policy=policy, transfers=transfers)
     for cache in (inline, ahead):
         _with_history(cache)
     window = ahead.layered_window
@@ -108,10 +107,8 @@ def test_on_a_cpu_a_layer_s_choice_is_applied_on_the_page_reader_and_the_next_la
     next layer is not ready to take the turn's keys until that is done, and when fed anyway waits for
     it, as a look at the layer's cold pages does. Outputs and kept positions are those of a turn
     applied inline."""
-    policy = TierPolicy(page_tokens=8)
     transfers = Transfers(torch.device("cpu"))
-    inline, beside = (make_cache("tiered", SPEC, ROCKET, TierContext(HostTier(64 << 20, None), name, policy, reader))
-                      for name, reader in (("inline", None), ("beside", transfers)))
+    inline, beside = _cache("inline"), _cache("beside", transfers=transfers)
     for cache in (inline, beside):
         _with_history(cache)
     inputs = layer_inputs(torch.Generator().manual_seed(18), LATER)
@@ -124,12 +121,15 @@ def test_on_a_cpu_a_layer_s_choice_is_applied_on_the_page_reader_and_the_next_la
             assert gate.wait(10)
         apply(layer, pending)
 
+    def feed(layer: int) -> torch.Tensor:
+        q, k, v = inputs[layer]
+        beside.layered_keys(layer, k[0], v[0])
+        beside.layered_window(layer, q[0, :, -beside.layered_window_rows():], SCALING)
+        return beside.attend(layer, q, k, v, SCALING)
+
     beside.prefill.apply = gated_apply
     beside.begin_layered(LATER, 3)
-    q, k, v = inputs[0]
-    beside.layered_keys(0, k[0], v[0])
-    beside.layered_window(0, q[0, :, -beside.layered_window_rows():], SCALING)
-    first = beside.attend(0, q, k, v, SCALING)
+    got = [feed(0)]
     held = beside.layers[0].length
     assert not beside.layered_ready(1) and held > ROCKET.token_budget  # layer 0 still holds the turn
     # A look at the layer's cold pages (the memory map) meanwhile waits for the application too.
@@ -141,16 +141,7 @@ def test_on_a_cpu_a_layer_s_choice_is_applied_on_the_page_reader_and_the_next_la
     gate.set()
     look.join(10)
     assert looked and beside.layers[0].length < held
-    q, k, v = inputs[1]
-    beside.layered_keys(1, k[0], v[0])  # waits for layer 0's application
-    assert beside.layers[0].length < held
-    beside.layered_window(1, q[0, :, -beside.layered_window_rows():], SCALING)
-    got = [first, beside.attend(1, q, k, v, SCALING)]
-    for layer in range(2, SPEC.num_layers):
-        q, k, v = inputs[layer]
-        beside.layered_keys(layer, k[0], v[0])
-        beside.layered_window(layer, q[0, :, -beside.layered_window_rows():], SCALING)
-        got.append(beside.attend(layer, q, k, v, SCALING))
+    got += [feed(layer) for layer in range(1, SPEC.num_layers)]  # layer 1's keys wait for layer 0's application
     beside.end_layered()
     for a, b in zip(expect, got):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=0)

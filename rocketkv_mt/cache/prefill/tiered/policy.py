@@ -164,8 +164,13 @@ class ReselectTiered(PrefillPolicy):
         """The layer before this one chosen (and applied, if that ran on the page reader), before this
         one reads pages or demotes: one layer's read is held at a time, and the chain of layers leaves
         nothing running on the reader once the last layer has attended."""
-        if layer and self._pending[layer - 1] is not None:
-            self._pending[layer - 1] = self._pending[layer - 1].chosen()
+        if layer:
+            self._chosen(layer - 1)
+
+    def _chosen(self, layer: int) -> None:
+        """The layer's re-selection chosen, and applied where that runs on the page reader (waits for it)."""
+        if self._pending[layer] is not None:
+            self._pending[layer] = self._pending[layer].chosen()
 
     def previous_settled(self, layer: int) -> bool:
         """Whether ``previous_chosen`` would not wait for the page reader."""
@@ -242,8 +247,7 @@ class ReselectTiered(PrefillPolicy):
     def cold_residency(self, layer: int) -> ColdResidency:
         # Between two slices of a turn fed layer by layer, the layer may still be applying its choice on
         # the page reader: its cold pages are read once that is done.
-        if self._pending[layer] is not None:
-            self._pending[layer] = self._pending[layer].chosen()
+        self._chosen(layer)
         return self.cold[layer].residency()
 
     def cold_bytes(self) -> dict[str, int]:
