@@ -112,11 +112,13 @@ class KTCache:
         """The whole bounds buffer (Hkv, 2d, capacity in pages); pages past ``pages`` are spare."""
         return self._bounds
 
-    def next_slot(self) -> tuple[int, bool]:
+    def next_slot(self, lead: int = 0) -> tuple[int, bool]:
         """(page the next key lands in, whether it opens that page), with room made for a new page:
-        what a kernel that appends the key in place needs; ``appended`` then counts it."""
+        what a kernel that appends the key in place needs; ``appended`` then counts it. ``lead``: grow
+        that many pages early (layers given different leads grow on different steps, as their stores
+        do: ``LayerKV.reserve``)."""
         opens = self.length % self.page_size == 0
-        if opens and self.pages == self._bounds.shape[2]:
+        if opens and self.pages + lead >= self._bounds.shape[2]:
             self._grow()
         return (self.pages if opens else self.pages - 1), opens
 

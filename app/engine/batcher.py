@@ -275,11 +275,12 @@ class Batcher:
             seen = len(self._prefills)
 
     def _take(self) -> list[tuple[Request, Segment]]:
-        """The step's segments (lock held); see ``take``. A decode whose cache has selection left is
-        held back (``_selecting``) while there are other segments to run."""
+        """The step's segments (lock held); see ``take``. A decode whose cache has selection left, or
+        whose last layer is still settling on the page reader, is held back (``_selecting``) while there
+        are other segments to run."""
         ready = []
         for r in self._decodes:
-            (self._selecting if r.cache.unselected_layers() else ready).append(r)
+            (self._selecting if r.cache.unselected_layers() or not r.cache.decode_ready() else ready).append(r)
         self._decodes = []
         budget = self.step_tokens
         head = self._prefills[0] if self._prefills else None
@@ -306,8 +307,8 @@ class Batcher:
         return batch
 
     def _select_slice(self) -> None:
-        """Model thread: run part of the oldest held-back cache's selection; once it is done, its
-        decode joins the next step."""
+        """Model thread: run part of the oldest held-back cache's selection; once it is done (and what
+        runs on the page reader for it), its decode joins the next step."""
         req = self._selecting[0]
         t0 = time.perf_counter()
         try:
@@ -319,7 +320,7 @@ class Batcher:
             self.stats.failed_segments += 1
             req.future.set_exception(exc)
         else:
-            if not left:
+            if not left and req.cache.decode_ready():
                 self._selecting.pop(0)
                 with self._cond:
                     self._decodes.append(req)

@@ -160,6 +160,12 @@ class SessionCache(Protocol):
         the same computation as ``attend`` would do; None when the step must run alone (``attend``)."""
         ...
 
+    def decode_ready(self) -> bool:
+        """Whether the next decode step would not wait for work on the page reader (a layer's choice
+        that a prefill fed layer by layer left being applied there): the batcher holds the session's
+        decode back until then, while others step."""
+        ...
+
     def end_turn(self) -> None:
         """Called by the engine when a turn's reply is finished."""
         ...

@@ -203,6 +203,9 @@ class ComposedCache:
     def unselected_layers(self) -> int:
         return len(self._unselected)
 
+    def decode_ready(self) -> bool:
+        return self.prefill.settled()
+
     @torch.inference_mode()
     def select_pending(self, deadline: float | None = None) -> int:
         for layer in sorted(self._unselected):
@@ -338,7 +341,8 @@ class ComposedCache:
         if store is None:
             return None
         full = self.layers[layer]
-        return self.decode.target(layer, store, self.split, None if store is full else full)
+        lead = full.chunk * layer // self.spec.num_layers  # layers grow on different steps (``LayerKV.reserve``)
+        return self.decode.target(layer, store, self.split, None if store is full else full, lead)
 
     def selected(self, layer: int, store: LayerKV, scores: torch.Tensor | None) -> None:
         self.decode.prepare(layer, store, scores, self.split)

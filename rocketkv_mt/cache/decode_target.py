@@ -31,7 +31,8 @@ class DecodeTarget:
     included). mirror: also receives the token (the layer store, where the decode set is a per-turn
     selection beside it). kt: the store's page bounds, tightened with the new key. split: HSA's
     sizes when the step reads a sparse set, None for dense attention over the store. pinned
-    (Hkv, A) int64: pages HSA always reads (the turn's anchors).
+    (Hkv, A) int64: pages HSA always reads (the turn's anchors). lead: how early the stores grow
+    (``LayerKV.reserve``), by layer.
     """
 
     store: LayerKV
@@ -39,16 +40,17 @@ class DecodeTarget:
     kt: KTCache | None = None
     split: BudgetSplit | None = None
     pinned: torch.Tensor | None = None
+    lead: int = 0
 
     def row(self, position: int) -> list[int]:
         """The table row of this step for a token at ``position``, with room made for it (buffers may
         move here, never during the kernel call)."""
         store, mirror, kt = self.store, self.mirror, self.kt
-        store.reserve(store.length + 1)
+        store.reserve(store.length + 1, self.lead)
         keys, values = store.buffers
         row = [keys.data_ptr(), values.data_ptr(), store.position_buffer.data_ptr(), keys.shape[1], store.length, position]
         if mirror is not None:
-            mirror.reserve(mirror.length + 1)
+            mirror.reserve(mirror.length + 1, self.lead)
             mk, mv = mirror.buffers
             row += [mk.data_ptr(), mv.data_ptr(), mirror.position_buffer.data_ptr(), mk.shape[1], mirror.length]
         else:
@@ -56,7 +58,7 @@ class DecodeTarget:
         if kt is not None:
             if kt.length != store.length:
                 raise ValueError(f"KT bounds of {kt.length} tokens for a store of {store.length}")
-            page, opens = kt.next_slot()
+            page, opens = kt.next_slot(self.lead // kt.page_size)
             bounds = kt.buffer
             row += [bounds.data_ptr(), bounds.stride(0), bounds.stride(1), page, int(opens)]
         else:

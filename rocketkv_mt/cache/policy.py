@@ -109,9 +109,10 @@ class DecodePolicy(Protocol):
         """One decode query (Hq, 1, d) over ``store`` (its newest token is the one decoded) -> (Hq, 1, d)."""
         ...
 
-    def target(self, layer: int, store: LayerKV, split: BudgetSplit, mirror: LayerKV | None) -> DecodeTarget:
+    def target(self, layer: int, store: LayerKV, split: BudgetSplit, mirror: LayerKV | None, lead: int) -> DecodeTarget:
         """The step ``attend`` would run, as one session's row of a batched decode: ``store`` does not
-        hold the token yet (the kernel appends it, to ``mirror`` too where there is one)."""
+        hold the token yet (the kernel appends it, to ``mirror`` too where there is one); the stores
+        grow ``lead`` tokens early (``LayerKV.reserve``)."""
         ...
 
     def nbytes(self) -> int:
@@ -196,6 +197,11 @@ class PrefillPolicy(Protocol):
 
     def before_step(self, layer: int) -> None:
         """Before a layer's new keys and values are appended to its store."""
+
+    def settled(self) -> bool:
+        """Whether ``before_step`` would not wait for work on the page reader (a layer's choice still
+        being applied there). By default nothing runs there."""
+        return True
 
     def end_turn(self) -> None:
         """When a turn's reply is finished."""

@@ -4,6 +4,7 @@ and cold pages): each layer takes the turn's keys first, its window rows pick th
 whole prefill, however the rows are grouped; a layer holds the turn only while it runs; taken back
 half way, the cache is released, keeps its history and is marked broken (rebuilt at the next turn)."""
 import threading
+import time
 
 import pytest
 import torch
@@ -90,6 +91,8 @@ def test_each_layer_s_pages_are_read_ahead_while_the_layer_before_runs(policy):
     got = forward_layered(ahead, inputs, max_new=3, rows=40)
     for a, b in zip(expect, got):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    for cache in (inline, ahead):  # the last layer may still be applying its choice on the reader
+        cache.end_turn()
     for a, b in zip(inline.layers, ahead.layers):
         assert torch.equal(a.positions, b.positions)
     windows = [i for i, e in enumerate(events) if e != "start"]
@@ -103,22 +106,24 @@ def test_each_layer_s_pages_are_read_ahead_while_the_layer_before_runs(policy):
 
 @torch.inference_mode()
 def test_on_a_cpu_a_layer_s_choice_is_applied_on_the_page_reader_and_the_next_layer_waits_for_it():
-    """Each layer but the last applies its choice (demoting the turn's tokens) on the page reader; the
-    next layer is not ready to take the turn's keys until that is done, and when fed anyway waits for
-    it, as a look at the layer's cold pages does. Outputs and kept positions are those of a turn
-    applied inline."""
+    """Each layer applies its choice (demoting the turn's tokens) on the page reader; the next layer is
+    not ready to take the turn's keys until that is done, and when fed anyway waits for it, as a look at
+    the layer's cold pages does; after the last layer, the cache is not ready to decode until it is
+    done. Outputs and kept positions are those of a turn applied inline."""
     transfers = Transfers(torch.device("cpu"))
     inline, beside = _cache("inline"), _cache("beside", transfers=transfers)
     for cache in (inline, beside):
         _with_history(cache)
     inputs = layer_inputs(torch.Generator().manual_seed(18), LATER)
     expect = forward_layered(inline, inputs, max_new=3, rows=40)
-    apply, gate, threads = beside.prefill.apply, threading.Event(), {}
+    apply, threads = beside.prefill.apply, {}
+    last = SPEC.num_layers - 1
+    gates = {0: threading.Event(), last: threading.Event()}
 
     def gated_apply(layer, pending):
         threads[layer] = threading.current_thread().name
-        if layer == 0:
-            assert gate.wait(10)
+        if layer in gates:
+            assert gates[layer].wait(10)
         apply(layer, pending)
 
     def feed(layer: int) -> torch.Tensor:
@@ -138,15 +143,20 @@ def test_on_a_cpu_a_layer_s_choice_is_applied_on_the_page_reader_and_the_next_la
     look.start()
     look.join(0.3)
     assert look.is_alive() and not looked
-    gate.set()
+    gates[0].set()
     look.join(10)
     assert looked and beside.layers[0].length < held
     got += [feed(layer) for layer in range(1, SPEC.num_layers)]  # layer 1's keys wait for layer 0's application
     beside.end_layered()
     for a, b in zip(expect, got):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
-    last = SPEC.num_layers - 1
-    assert all(threads[i].startswith("rkv-pages") for i in range(last)) and threads[last] == "MainThread"
+    assert inline.decode_ready() and not beside.decode_ready()  # its last layer is still being applied
+    gates[last].set()
+    deadline = time.monotonic() + 10
+    while not beside.decode_ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert beside.decode_ready()
+    assert all(threads[i].startswith("rkv-pages") for i in range(last + 1))
     for cache in (inline, beside):
         cache.end_turn()
     for a, b in zip(inline.layers, beside.layers):

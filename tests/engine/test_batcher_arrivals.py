@@ -19,6 +19,9 @@ class Cache:
     def unselected_layers(self) -> int:
         return 0
 
+    def decode_ready(self) -> bool:
+        return True
+
 
 class RecordingRunner:
     device = torch.device("cpu")

@@ -4,6 +4,7 @@ sessions' steps; stopped between two slices (a cancel, a disconnect, a device-me
 is undone, the session keeps its history and its next turn rebuilds the cache and goes as if the stopped
 one had never been sent."""
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from app.engine import batcher as batcher_module
 from app.engine.layer_prefill import LayerPrefill
 from app.engine.sampling import SamplingParams
+from rocketkv_mt.cache.prefill.tiered.policy import ReselectTiered
 import turn_helpers
 from turn_helpers import message, reply_ids
 
@@ -72,6 +74,48 @@ async def test_while_the_next_layer_is_not_ready_the_streams_go_on_and_the_messa
     await streams
     assert reply_ids(deferred, done) == reply_ids(reference, done_ref)
     for x, y in zip(deferred.cache.layers, reference.cache.layers):
+        assert torch.equal(x.positions, y.positions)
+
+
+async def test_the_message_s_decode_waits_for_its_last_layer_while_the_streams_go_on(make_engine, monkeypatch):
+    """On a CPU the last layer applies its choice on the page reader too, after the first token is out:
+    the message's next decode step is held back until that is done (here: until the test lets it), the
+    streaming session steps meanwhile, and the reply and kept positions are a reference turn's."""
+    engine = make_engine(prefill_chunk=CHUNK)
+    later = message(engine, 26, 230)
+    reference, held, streaming = (engine.create_session(mode="tiered", budget=64) for _ in range(3))
+    for session in (reference, held):
+        await with_cold_pages(engine, session)
+    done_ref = await run_turn(engine, reference.id, later)
+    last = held.cache.spec.num_layers - 1
+    gate, applying = threading.Event(), threading.Event()
+    apply = ReselectTiered.apply
+
+    def gated(policy, layer, pending):
+        if policy.cache is held.cache and layer == last:
+            applying.set()
+            assert gate.wait(60)
+        apply(policy, layer, pending)
+
+    monkeypatch.setattr(ReselectTiered, "apply", gated)
+    started, first = asyncio.Event(), asyncio.Event()
+    streams = asyncio.ensure_future(turn_helpers.stream(engine, streaming.id, message(engine, 27, 40),
+                                                        SamplingParams(max_tokens=400), started, 1))
+    await started.wait()
+    turn = asyncio.ensure_future(turn_helpers.stream(engine, held.id, later, PARAMS, first, 1))
+    try:
+        assert await asyncio.get_running_loop().run_in_executor(None, applying.wait, 30)
+        await asyncio.wait_for(first.wait(), 30)  # the first token is out while the last layer is held
+        steps = engine.batcher.stats.decode_steps
+        await asyncio.sleep(0.5)
+        assert not held.cache.decode_ready() and not turn.done()
+        assert engine.batcher.stats.decode_steps > steps  # the stream went on meanwhile
+    finally:
+        gate.set()
+    done = await turn
+    await streams
+    assert reply_ids(held, done) == reply_ids(reference, done_ref)
+    for x, y in zip(held.cache.layers, reference.cache.layers):
         assert torch.equal(x.positions, y.positions)
 
 

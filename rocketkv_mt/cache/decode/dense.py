@@ -24,8 +24,8 @@ class DenseDecode:
         """q (Hq, 1, d) -> (Hq, 1, d)."""
         return dense_attention(q, store.keys, store.values, scaling)
 
-    def target(self, layer: int, store: LayerKV, split: BudgetSplit, mirror: LayerKV | None) -> DecodeTarget:
-        return DecodeTarget(store, mirror)
+    def target(self, layer: int, store: LayerKV, split: BudgetSplit, mirror: LayerKV | None, lead: int) -> DecodeTarget:
+        return DecodeTarget(store, mirror, lead=lead)
 
     def nbytes(self) -> int:
         return 0

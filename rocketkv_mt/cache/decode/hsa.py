@@ -64,11 +64,11 @@ class HSADecode:
         )
         return out.reshape(q.shape)
 
-    def target(self, layer: int, store: LayerKV, split: BudgetSplit, mirror: LayerKV | None) -> DecodeTarget:
+    def target(self, layer: int, store: LayerKV, split: BudgetSplit, mirror: LayerKV | None, lead: int) -> DecodeTarget:
         # As in _step, once the token is in: dense while every kept token fits the budget.
         sparse = store.length + 1 > split.token_budget and layer >= split.dense_layers
         return DecodeTarget(store, mirror, kt=self.kt[layer], split=split if sparse else None,
-                            pinned=self.anchors[layer])
+                            pinned=self.anchors[layer], lead=lead)
 
     def nbytes(self) -> int:
         return sum(kt.nbytes() for kt in self.kt if kt is not None)

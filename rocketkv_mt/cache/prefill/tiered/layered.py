@@ -94,13 +94,14 @@ class TieredLayeredTurn:
     def end(self, layer: int) -> None:
         """Every row has attended: the choice becomes the layer's primary set (the rest goes cold). On
         a CPU the application (demoting the turn's tokens as pages) runs on the page reader, beside
-        other sessions' decode steps, until the next layer begins: it took 20 to 120 ms of one core
-        for a 5.5k-token turn, longer than a slice, and was the longest pause of the streams."""
+        other sessions' decode steps, until the next layer begins (after the last layer: until the
+        session's first decode step, which the batcher holds back meanwhile): it took 20 to 120 ms of
+        one core for a 5.5k-token turn, longer than a slice, and was the longest pause of the streams."""
         run = self._running.pop(layer)
         policy = self.policy
         apply = (partial(policy.select, layer, run.q_win, run.scaling) if run.choice is None
                  else partial(policy.apply, layer, run.choice))
-        if not policy.settles_beside(layer):
+        if not policy.settles_beside(layer, last_too=True):
             apply()
             return
         held = run.choice.cand if run.choice is not None else ()

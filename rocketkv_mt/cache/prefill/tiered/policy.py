@@ -162,8 +162,9 @@ class ReselectTiered(PrefillPolicy):
 
     def previous_chosen(self, layer: int) -> None:
         """The layer before this one chosen (and applied, if that ran on the page reader), before this
-        one reads pages or demotes: one layer's read is held at a time, and the chain of layers leaves
-        nothing running on the reader once the last layer has attended."""
+        one reads pages or demotes: one layer's read is held at a time. Only the last layer of a turn
+        fed layer by layer may still run on the reader after the turn has attended; its first decode
+        step waits for it (``before_step``), or is held back until it is done (``settled``)."""
         if layer:
             self._chosen(layer - 1)
 
@@ -171,6 +172,9 @@ class ReselectTiered(PrefillPolicy):
         """The layer's re-selection chosen, and applied where that runs on the page reader (waits for it)."""
         if self._pending[layer] is not None:
             self._pending[layer] = self._pending[layer].chosen()
+
+    def settled(self) -> bool:
+        return all(p is None or p.ready() for p in self._pending)
 
     def previous_settled(self, layer: int) -> bool:
         """Whether ``previous_chosen`` would not wait for the page reader."""
@@ -195,15 +199,17 @@ class ReselectTiered(PrefillPolicy):
     def _choose_and_apply(self, layer: int, choose) -> None:
         self.apply(layer, choose())
 
-    def settles_beside(self, layer: int) -> bool:
+    def settles_beside(self, layer: int, last_too: bool = False) -> bool:
         """Whether a layer applies its choice on the page reader (``settle_beside``), beside the next
         layer's work or other sessions' steps on this thread: on a CPU (the other core), for every layer
-        but the last (the turn's first token follows it, and nothing would go on beside it). On CUDA
-        the application's kernels would allocate on the side stream what the main stream then keeps:
-        it stays on this thread, whose launches are cheap."""
+        but the last, unless ``last_too``. A whole prefill's first token follows its last layer in the
+        same step, so nothing would go on beside it; a turn fed layer by layer hands its first token
+        over and the other sessions step on while its last layer settles (``last_too``). On CUDA the
+        application's kernels would allocate on the side stream what the main stream then keeps: it
+        stays on this thread, whose launches are cheap."""
         transfers = self.tiers.transfers
         return (transfers is not None and not transfers.on_device_stream()
-                and layer + 1 < len(self.cold))
+                and (last_too or layer + 1 < len(self.cold)))
 
     def settle_beside(self, layer: int, job, held: tuple) -> None:
         """Run ``job`` (the layer's choice applied, or chosen and applied) on the page reader; ``held``:
