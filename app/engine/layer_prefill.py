@@ -91,8 +91,8 @@ class LayerPrefill:
             if deadline is not None and time.perf_counter() >= deadline:
                 break
             if fit and self.layer != layer and not self.ready():
-                # A layer ended and is applying its choice on the page reader (a later turn on a CPU),
-                # which the next layer would wait for here: other sessions' steps go first.
+                # A layer ended and is selecting, or applying its choice, on the page reader (``tiered`` on
+                # a CPU), which the next layer would wait for here: other sessions' steps go first.
                 break
         self._wait()  # the slice's time is the device's, not what queueing its work took
         return fed
@@ -140,10 +140,9 @@ class LayerPrefill:
         return 0  # no row has been through the layer yet
 
     def ready(self) -> bool:
-        """Whether the next group runs without waiting: a later turn's next layer first waits for the
-        layer before it to have applied its choice (on a CPU, on the page reader)."""
-        return self.done or not (self.keys_first and not self.keyed and self.offset == 0) or \
-            self.cache.layered_ready(self.layer)
+        """Whether the next group runs without waiting: a layer's first group waits for the layer before
+        it to have selected, or applied its choice (``tiered`` on a CPU runs those on the page reader)."""
+        return self.done or self.offset != 0 or self.keyed or self.cache.layered_ready(self.layer)
 
     def _group(self, deadline: float | None, now: float) -> int:
         """Rows of the next group: ``rows``, or with a deadline as many as fit before it at the running

@@ -115,8 +115,9 @@ class SessionCache(Protocol):
         ...
 
     def layered_ready(self, layer: int) -> bool:
-        """A later turn fed layer by layer: whether ``layer`` can take the turn's keys without waiting
-        (the layer before it has applied its choice, which may run on the page reader)."""
+        """A prompt fed layer by layer: whether ``layer`` can start (take a later turn's keys, or a first
+        prompt's first group) without waiting for the layer before it to have selected or applied its
+        choice, which may run on the page reader."""
         ...
 
     def layered_window(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:

@@ -144,7 +144,7 @@ class ComposedCache:
         self._keyed[layer] = fed + n
 
     def layered_ready(self, layer: int) -> bool:
-        return self._later is None or self._later.ready(layer)
+        return self._later.ready(layer) if self._later is not None else self.prefill.previous_settled(layer)
 
     def layered_window_rows(self) -> int:
         """How many of the turn's last rows are its window (``layered_window``)."""
@@ -307,6 +307,7 @@ class ComposedCache:
             return out
         store = self.layers[layer]
         if fed == 0:
+            self.prefill.previous_chosen(layer)  # one layer holds the prompt at a time
             store.reserve(store.length + total)  # the layer's prompt, in place: no copy as it grows
         start = self.history_len + fed
         store.append(k, v, torch.arange(start, start + n, device=self.spec.device))
@@ -316,7 +317,7 @@ class ComposedCache:
         if fed + n < total:
             self._window_tail[layer] = tail
         else:
-            self.prefill.select(layer, tail, scaling)
+            self.prefill.select_layered(layer, tail, scaling)
         return out
 
     def _window_with(self, layer: int, q: torch.Tensor) -> torch.Tensor:

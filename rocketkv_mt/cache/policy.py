@@ -198,6 +198,20 @@ class PrefillPolicy(Protocol):
     def before_step(self, layer: int) -> None:
         """Before a layer's new keys and values are appended to its store."""
 
+    def select_layered(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
+        """A prompt fed layer by layer into a cache without history has been through ``layer``:
+        ``select``, here by default; a policy may run it on the page reader while other sessions step,
+        the next layer then waits for it (``previous_chosen``)."""
+        self.select(layer, q_win, scaling)
+
+    def previous_chosen(self, layer: int) -> None:
+        """Before a prompt fed layer by layer starts ``layer``: the layer before it has selected (this
+        waits for it where it runs on the page reader)."""
+
+    def previous_settled(self, layer: int) -> bool:
+        """Whether ``previous_chosen`` would not wait."""
+        return True
+
     def settled(self) -> bool:
         """Whether ``before_step`` would not wait for work on the page reader (a layer's choice still
         being applied there). By default nothing runs there."""

@@ -2,12 +2,15 @@
 kept tokens and keys as a whole prefill, however the rows are grouped; each layer holds the whole
 prompt only while it is the one running; taken back half way, the cache is empty and serves a new
 first turn as a fresh one does, with nothing left in the host tier."""
+import threading
+
 import pytest
 import torch
 
-from cache_drive import SPEC, forward, forward_layered, layer_inputs, tier_context
-from rocketkv_mt.cache import CACHE_MODES, make_cache
+from cache_drive import SCALING, SPEC, forward, forward_layered, layer_inputs, tier_context
+from rocketkv_mt.cache import CACHE_MODES, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
+from tiers.transfers import Transfers
 
 MODES = sorted(CACHE_MODES)
 ROCKET = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
@@ -75,6 +78,58 @@ def test_a_layer_holds_its_whole_prompt_only_while_it_runs(mode):
         assert sum(length > kept for length in lengths) <= 1, lengths
     assert max(sum(lengths) for lengths in seen) == 2 * kept + 100  # never the prompt in every layer
     cache.release()
+
+
+@torch.inference_mode()
+def test_on_a_cpu_a_tiered_layer_selects_on_the_page_reader_and_the_next_layer_waits_for_it():
+    """A first prompt: each layer's Stage 1 and demotion run on the page reader; the next layer is not
+    ready to start until they are done, and started anyway waits for them, so one layer at a time
+    holds the prompt; after the last, the cache is not ready to decode until it is done. Outputs, kept
+    positions and cold pages are those of the prompt selected inline."""
+    transfers = Transfers(torch.device("cpu"))
+    policy = TierPolicy(page_tokens=8)
+    inline = make_cache("tiered", SPEC, ROCKET, tier_context(policy, "select-inline"))
+    beside = make_cache("tiered", SPEC, ROCKET, tier_context(policy, "select-beside", transfers))
+    inputs = layer_inputs(torch.Generator().manual_seed(6), 150)
+    expect = forward_layered(inline, inputs, max_new=4, rows=50)
+    select, threads = beside.prefill.select, {}
+    last = SPEC.num_layers - 1
+    gates = {0: threading.Event(), last: threading.Event()}
+
+    def gated_select(layer, q_win, scaling):
+        threads[layer] = threading.current_thread().name
+        if layer in gates:
+            assert gates[layer].wait(10)
+        select(layer, q_win, scaling)
+
+    beside.prefill.select = gated_select
+    beside.begin_layered(150, 4)
+    got = [[]]
+    for a in range(0, 150, 50):
+        q, k, v = (x[:, :, a : a + 50] for x in inputs[0])
+        got[0].append(beside.attend(0, q, k, v, SCALING))
+    assert not beside.layered_ready(1) and beside.layers[0].length == 150 > inline.kept_tokens()  # still held
+    gates[0].set()
+    for layer in range(1, SPEC.num_layers):
+        got.append([])
+        for a in range(0, 150, 50):
+            q, k, v = (x[:, :, a : a + 50] for x in inputs[layer])
+            got[layer].append(beside.attend(layer, q, k, v, SCALING))  # the first group waits for the layer before
+            assert sum(store.length > inline.kept_tokens() for store in beside.layers) <= 1
+    beside.end_layered()
+    assert inline.decode_ready() and not beside.decode_ready()
+    gates[last].set()
+    beside.end_turn()  # settles: waits for the last layer
+    assert beside.decode_ready() and all(threads[i].startswith("rkv-pages") for i in range(last + 1))
+    for a, b in zip(expect, got):
+        torch.testing.assert_close(torch.cat(b, dim=1), a, atol=1e-6, rtol=0)
+    inline.end_turn()
+    for a, b in zip(inline.layers, beside.layers):
+        assert torch.equal(a.positions, b.positions)
+    assert beside.tier_bytes() == inline.tier_bytes() and beside.cold_tokens() == inline.cold_tokens()
+    for cache in (inline, beside):
+        cache.release()
+    transfers.close()
 
 
 @pytest.mark.parametrize("mode", MODES)

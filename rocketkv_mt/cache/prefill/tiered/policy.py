@@ -160,6 +160,15 @@ class ReselectTiered(PrefillPolicy):
         )
         self._reorganise(layer, slots, positions, scores, None)
 
+    def select_layered(self, layer: int, q_win: torch.Tensor, scaling: float) -> None:
+        """A first prompt fed layer by layer: on a CPU the layer's Stage 1 and demotion (its pages'
+        digests and sketches; 90 to 200 ms of one core for a 7k-token prompt, the streams' longest
+        pause when run in the slice) run on the page reader; the next layer waits for them."""
+        if self.settles_beside(layer, last_too=True):
+            self.settle_beside(layer, partial(self.select, layer, q_win, scaling), ())
+        else:
+            self.select(layer, q_win, scaling)
+
     def previous_chosen(self, layer: int) -> None:
         """The layer before this one chosen (and applied, if that ran on the page reader), before this
         one reads pages or demotes: one layer's read is held at a time. Only the last layer of a turn
