@@ -4,7 +4,11 @@ its device at once, per cache mode, under one device budget.
 Measured, not computed: one engine with that device budget and parking switched off; for each mode,
 sessions are created one after another, each with a first message of about N tokens, until the
 engine refuses a turn (``device_memory_exhausted``, decided by its admission bound before any
-work) or ``--max-sessions`` is reached. Every admitted session stays resident on the device; the
+work) or ``--max-sessions`` is reached. The host tier, which holds what ``tiered`` demotes, is sized
+by ``--host-bytes`` (16 GiB by default) so that it does not bind: a ``tiered`` session of an 8k
+history leaves about 300 MB of cold KV there (float32 keys and values of the bundled model), so the
+server's default 2 GiB without Redis would hold six of them and stop the count below what the
+device keeps. A run that the host tier stops anyway says so (``refused_by``). Every admitted session stays resident on the device; the
 count is how many were admitted, and the bytes are each session's measured ``device_bytes()``.
 Without ``--device-budget``, the budget is 2.5x the measured bytes of one ``full`` session: room
 for two ``full`` sessions and not three. On a terminal a bar per mode counts the sessions admitted, with
@@ -15,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from app.engine.errors import DeviceMemoryExhausted
+from app.engine.errors import DeviceMemoryExhausted, HostMemoryExhausted
 from app.engine.sampling import SamplingParams
 from app.progress import progress
 from bench.common import fit_words, load_engine, run_async, write_json
@@ -34,7 +38,7 @@ async def fill(engine, mode: str, context: int, token_budget: int, params: Sampl
     """Admit sessions of ``mode`` until the engine refuses one; they all stay resident. Returns the
     figures; the sessions are left in the engine (the caller deletes them)."""
     sessions, held, bounds, prefill_s = [], [], [], []
-    refused = False
+    refused = None
     while len(sessions) < max_sessions:
         session = engine.create_session(mode=mode, budget=token_budget)
         text = long_message(engine.tokenizer, context, seed=1000 * len(sessions) + 17)
@@ -42,9 +46,9 @@ async def fill(engine, mode: str, context: int, token_budget: int, params: Sampl
         t0 = time.perf_counter()
         try:
             done = await engine.complete(session.id, text, params)
-        except DeviceMemoryExhausted:
+        except (DeviceMemoryExhausted, HostMemoryExhausted) as exc:
             await engine.delete_session(session.id)
-            refused = True
+            refused = "host" if isinstance(exc, HostMemoryExhausted) else "device"
             break
         prefill_s.append(round(time.perf_counter() - t0, 2))
         sessions.append(session)
@@ -61,14 +65,16 @@ async def fill(engine, mode: str, context: int, token_budget: int, params: Sampl
         "device_tokens_per_session": int(statistics.mean(s.cache.kept_tokens() for s in sessions)) if sessions else 0,
         "admission_bound_bytes": bounds[-1] if bounds else 0,
         "resident_device_bytes": sum(held),
-        "refused_next": refused,
+        "refused_next": refused is not None,
+        "refused_by": refused,
         "turn_s": prefill_s,
         "ids": [s.id for s in sessions],
     }
 
 
 async def run(args) -> dict:
-    engine = load_engine(quiet=args.quiet, token_budget=args.budget, device_budget_bytes=args.device_budget or 0)
+    engine = load_engine(quiet=args.quiet, token_budget=args.budget, device_budget_bytes=args.device_budget or 0,
+                         host_tier_bytes=args.host_bytes)
     engine.parking = False  # every admitted session stays resident: that is what is counted
     params = SamplingParams(max_tokens=args.max_tokens)
     modes = [m for m in args.modes.split(",") if m]
@@ -77,6 +83,7 @@ async def run(args) -> dict:
         "token_budget": args.budget,
         "device_budget": args.device_budget or None,
         "max_new_tokens": args.max_tokens,
+        "host_tier_bytes": args.host_bytes,
         "method": "measured: sessions admitted one by one by the engine's own admission control under the "
         "device budget, parking off, until it refused one; bytes are device_bytes() of each resident session",
         "modes": {},

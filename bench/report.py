@@ -203,8 +203,11 @@ def _decode(d: dict) -> list[str]:
 def _capacity(d: dict) -> list[str]:
     rows = [[f"`{mode}`", m["sessions"], _mb(m["device_bytes_per_session"]), f"{m['device_tokens_per_session']:,}",
              _mb(m["admission_bound_bytes"])] for mode, m in d["modes"].items()]
+    host = f", host tier {_mb(d['host_tier_bytes'])}" if d.get("host_tier_bytes") else ""
+    stopped = [f"`{mode}`" for mode, m in d["modes"].items() if m.get("refused_by") == "host"]
+    note = f" The host tier, not the device, stopped {', '.join(stopped)}." if stopped else ""
     lines = [f"{d['context']:,}-token histories, device budget {_mb(d['device_budget'])}, token budget "
-             f"{d['token_budget']}.", ""]
+             f"{d['token_budget']}{host}.{note}", ""]
     return lines + _table(["mode", "sessions resident", "device bytes a session", "tokens per KV head on device",
                            "admission bound a turn"], rows)
 
