@@ -30,6 +30,17 @@ async def with_cold_pages(engine, session) -> None:
     assert session.cache.cold_pages() > 0 and session.cache.layers_later()
 
 
+async def three_sessions(engine, seed: int):
+    """A long later message (seed ``seed``), a reference session with cold pages that has had it, a
+    second one with cold pages that has not, and a third to stream: (message, the three, the
+    reference's turn)."""
+    later = message(engine, seed, 230)
+    reference, other, streaming = (engine.create_session(mode="tiered", budget=64) for _ in range(3))
+    for session in (reference, other):
+        await with_cold_pages(engine, session)
+    return later, reference, other, streaming, await run_turn(engine, reference.id, later)
+
+
 async def test_a_long_later_message_is_fed_layer_by_layer_as_a_whole_prefill_would(make_engine):
     whole, engine = make_engine(prefill_chunk=0), make_engine(prefill_chunk=CHUNK)
     later, third = message(engine, 22, 230), "And in one word?"
@@ -56,11 +67,7 @@ async def test_while_the_next_layer_is_not_ready_the_streams_go_on_and_the_messa
     the page reader; here said so for two thirds of the asks) gives its slice up to the streaming
     sessions' steps: the message's reply and kept positions are those of a message never put off."""
     engine = make_engine(prefill_chunk=CHUNK)
-    later = message(engine, 24, 230)
-    reference, deferred, streaming = (engine.create_session(mode="tiered", budget=64) for _ in range(3))
-    for session in (reference, deferred):
-        await with_cold_pages(engine, session)
-    done_ref = await run_turn(engine, reference.id, later)
+    later, reference, deferred, streaming, done_ref = await three_sessions(engine, 24)
     ready, asks = LayerPrefill.ready, []
     monkeypatch.setattr(LayerPrefill, "ready", lambda plan: bool(asks.append(1)) or len(asks) % 3 == 0 and ready(plan))
     started = asyncio.Event()
@@ -82,11 +89,7 @@ async def test_the_message_s_decode_waits_for_its_last_layer_while_the_streams_g
     the message's next decode step is held back until that is done (here: until the test lets it), the
     streaming session steps meanwhile, and the reply and kept positions are a reference turn's."""
     engine = make_engine(prefill_chunk=CHUNK)
-    later = message(engine, 26, 230)
-    reference, held, streaming = (engine.create_session(mode="tiered", budget=64) for _ in range(3))
-    for session in (reference, held):
-        await with_cold_pages(engine, session)
-    done_ref = await run_turn(engine, reference.id, later)
+    later, reference, held, streaming, done_ref = await three_sessions(engine, 26)
     last = held.cache.spec.num_layers - 1
     gate, applying = threading.Event(), threading.Event()
     apply = ReselectTiered.apply
