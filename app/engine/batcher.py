@@ -307,21 +307,31 @@ class Batcher:
         return batch
 
     def _select_slice(self) -> None:
-        """Model thread: run part of the oldest held-back cache's selection; once it is done (and what
-        runs on the page reader for it), its decode joins the next step."""
-        req = self._selecting[0]
+        """Model thread: the held-back decodes whose caches are ready join the next step; then part of
+        the oldest selection left runs (its decode joins once it is done and, where part of it runs on
+        the page reader, that is done too)."""
+        ready, waiting = [], []
+        for r in self._selecting:
+            (waiting if r.cache.unselected_layers() or not r.cache.decode_ready() else ready).append(r)
+        self._selecting = waiting
+        if ready:
+            with self._cond:
+                self._decodes.extend(ready)
+        req = next((r for r in self._selecting if r.cache.unselected_layers()), None)
+        if req is None:  # only the page reader's work is left: nothing to slice here
+            return
         t0 = time.perf_counter()
         try:
             # Sized on a decode-only step: after a step that carried a chunk, half of it would add up.
             slice_s = max(SELECT_MIN_S, SELECT_FRACTION * (self._decode.value or self._last_step_s))
             left = req.cache.select_pending(t0 + slice_s)
         except Exception as exc:  # noqa: BLE001 - that session fails alone, as a failed step segment does
-            self._selecting.pop(0)
+            self._selecting.remove(req)
             self.stats.failed_segments += 1
             req.future.set_exception(exc)
         else:
             if not left and req.cache.decode_ready():
-                self._selecting.pop(0)
+                self._selecting.remove(req)
                 with self._cond:
                     self._decodes.append(req)
         self.stats.selection_slices += 1

@@ -161,6 +161,11 @@ class SessionCache(Protocol):
         the same computation as ``attend`` would do; None when the step must run alone (``attend``)."""
         ...
 
+    def settle(self) -> None:
+        """What the last prefill left to select or apply (part of it maybe on the page reader), done now
+        rather than at the next decode step: before a cache is measured or copied outside the engine."""
+        ...
+
     def decode_ready(self) -> bool:
         """Whether the next decode step would not wait for work on the page reader (a layer's choice
         that a prefill fed layer by layer left being applied there): the batcher holds the session's

@@ -207,6 +207,12 @@ class ComposedCache:
         return self.prefill.settled()
 
     @torch.inference_mode()
+    def settle(self) -> None:
+        self._usable()
+        self.select_pending()
+        self.prefill.settle()
+
+    @torch.inference_mode()
     def select_pending(self, deadline: float | None = None) -> int:
         for layer in sorted(self._unselected):
             self._select(layer)

@@ -212,6 +212,10 @@ class PrefillPolicy(Protocol):
         """Whether ``previous_chosen`` would not wait."""
         return True
 
+    def settle(self) -> None:
+        """Apply now what the last prefill left to apply at the next decode step (waiting for the page
+        reader where part of it runs there). By default nothing is left."""
+
     def settled(self) -> bool:
         """Whether ``before_step`` would not wait for work on the page reader (a layer's choice still
         being applied there). By default nothing runs there."""

@@ -94,7 +94,7 @@ def test_on_a_cpu_a_tiered_layer_selects_on_the_page_reader_and_the_next_layer_w
     expect = forward_layered(inline, inputs, max_new=4, rows=50)
     select, threads = beside.prefill.select, {}
     last = SPEC.num_layers - 1
-    gates = {0: threading.Event(), last: threading.Event()}
+    gates = {1: threading.Event(), last: threading.Event()}
 
     def gated_select(layer, q_win, scaling):
         threads[layer] = threading.current_thread().name
@@ -102,19 +102,33 @@ def test_on_a_cpu_a_tiered_layer_selects_on_the_page_reader_and_the_next_layer_w
             assert gates[layer].wait(10)
         select(layer, q_win, scaling)
 
+    def feed(layer: int, a: int) -> torch.Tensor:
+        q, k, v = (x[:, :, a : a + 50] for x in inputs[layer])
+        return beside.attend(layer, q, k, v, SCALING)
+
     beside.prefill.select = gated_select
     beside.begin_layered(150, 4)
-    got = [[]]
-    for a in range(0, 150, 50):
-        q, k, v = (x[:, :, a : a + 50] for x in inputs[0])
-        got[0].append(beside.attend(0, q, k, v, SCALING))
-    assert not beside.layered_ready(1) and beside.layers[0].length == 150 > inline.kept_tokens()  # still held
-    gates[0].set()
-    for layer in range(1, SPEC.num_layers):
+    got = [[feed(layer, a) for a in range(0, 150, 50)] for layer in range(2)]
+    assert not beside.layered_ready(2) and beside.layers[1].length == 150 > inline.kept_tokens()  # still held
+    # Started anyway, layer 2 waits for layer 1's selection before it takes its first group.
+    first = []
+
+    @torch.inference_mode()  # per thread, as the model thread runs it
+    def feed_first_group():
+        first.append(feed(2, 0))
+
+    started = threading.Thread(target=feed_first_group)
+    started.start()
+    started.join(0.3)
+    assert started.is_alive() and beside.layers[2].length == 0 and beside.layers[1].length == 150
+    gates[1].set()
+    started.join(10)
+    assert first and beside.layers[1].length == inline.kept_tokens()
+    got.append([first[0], *(feed(2, a) for a in range(50, 150, 50))])
+    for layer in range(3, SPEC.num_layers):
         got.append([])
         for a in range(0, 150, 50):
-            q, k, v = (x[:, :, a : a + 50] for x in inputs[layer])
-            got[layer].append(beside.attend(layer, q, k, v, SCALING))  # the first group waits for the layer before
+            got[layer].append(feed(layer, a))
             assert sum(store.length > inline.kept_tokens() for store in beside.layers) <= 1
     beside.end_layered()
     assert inline.decode_ready() and not beside.decode_ready()

@@ -61,6 +61,20 @@ def test_a_context_longer_than_rows_is_prefilled_layer_by_layer_like_a_whole_one
         assert fed[64] == fed[4096], mode
 
 
+def test_a_context_fed_layer_by_layer_is_settled_before_it_is_copied(tmp_path):
+    """A ``tiered`` context fed layer by layer leaves its last layer's selection to the page reader on a
+    CPU; the bench settles it before it copies the cache for a decode batch, so the copy is whole."""
+    bench = e2e.Bench(args(tmp_path, modes="tiered"))
+    state = bench.prefill("tiered", 300, 64)
+    cache = state["cache"]
+    assert cache.decode_ready()
+    copy = e2e._clone(cache)
+    assert copy.device_bytes() == cache.device_bytes() and copy.kept_tokens() == cache.kept_tokens()
+    for a, b in zip(cache.layers, copy.layers):
+        assert torch.equal(a.positions, b.positions)
+    cache.release()
+
+
 def test_a_context_starts_with_nothing_the_one_before_held(tmp_path, monkeypatch):
     """A decode batch's copies point at themselves through their policies: they are collected before
     the next context prefills, not left to crowd it."""
