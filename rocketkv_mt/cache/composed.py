@@ -348,10 +348,17 @@ class ComposedCache:
         if store is None:
             return None
         full = self.layers[layer]
-        lead = full.chunk * layer // self.spec.num_layers  # layers grow on different steps (``LayerKV.reserve``)
-        return self.decode.target(layer, store, self.split, None if store is full else full, lead)
+        return self.decode.target(layer, store, self.split, None if store is full else full, self._lead(layer))
+
+    def _lead(self, layer: int) -> int:
+        """How early the layer's stores grow at decode (``LayerKV.reserve``): layers grow on different steps."""
+        return self.layers[layer].chunk * layer // self.spec.num_layers
 
     def selected(self, layer: int, store: LayerKV, scores: torch.Tensor | None) -> None:
+        # Room for the first decode step's token with the layer's lead, made here, with the selection: a
+        # selection leaves less spare than some layers' leads, which then all grew in that step.
+        for s in (store, self.layers[layer]) if store is not self.layers[layer] else (store,):
+            s.reserve(s.length + 1, self._lead(layer))
         self.decode.prepare(layer, store, scores, self.split)
 
     # --- accounting --------------------------------------------------------------------------

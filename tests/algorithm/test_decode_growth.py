@@ -86,6 +86,6 @@ def test_the_layers_of_decoding_sessions_grow_on_different_steps(mode):
         moved.update(changed)
     stores = {i for i in range(0, 4 * LAYERS, 2)}
     assert stores <= moved  # every layer's store outgrew its buffer at least once
-    # Both sessions are at the same length, so one layer of each moves in a step, not all eight; the
-    # first step also moves the layers whose lead is past what the prefill left spare.
-    assert max(moves_per_step[1:]) <= 2 and moves_per_step[0] < 2 * LAYERS, moves_per_step
+    # Both sessions are at the same length, so one layer of each moves in a step, not all eight (the
+    # first step too: each layer's selection made the room its lead asks for).
+    assert max(moves_per_step) <= 2, moves_per_step
