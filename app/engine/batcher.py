@@ -280,7 +280,7 @@ class Batcher:
         are other segments to run."""
         ready = []
         for r in self._decodes:
-            (self._selecting if r.cache.unselected_layers() or not r.cache.decode_ready() else ready).append(r)
+            (self._selecting if _held_back(r.cache) else ready).append(r)
         self._decodes = []
         budget = self.step_tokens
         head = self._prefills[0] if self._prefills else None
@@ -312,7 +312,7 @@ class Batcher:
         the page reader, that is done too)."""
         ready, waiting = [], []
         for r in self._selecting:
-            (waiting if r.cache.unselected_layers() or not r.cache.decode_ready() else ready).append(r)
+            (waiting if _held_back(r.cache) else ready).append(r)
         self._selecting = waiting
         if ready:
             with self._cond:
@@ -523,6 +523,12 @@ class Batcher:
         for fut in pending:
             if not fut.done():
                 fut.set_exception(EngineClosed("the engine is closed"))
+
+
+def _held_back(cache: SessionCache) -> bool:
+    """Whether a decode waits out of the steps: its cache has selection left, or its last layer is still
+    settling on the page reader."""
+    return bool(cache.unselected_layers()) or not cache.decode_ready()
 
 
 async def _wait(fut: concurrent.futures.Future, req: Request | None = None) -> Any:

@@ -357,8 +357,10 @@ class ComposedCache:
     def selected(self, layer: int, store: LayerKV, scores: torch.Tensor | None) -> None:
         # Room for the first decode step's token with the layer's lead, made here, with the selection: a
         # selection leaves less spare than some layers' leads, which then all grew in that step.
-        for s in (store, self.layers[layer]) if store is not self.layers[layer] else (store,):
-            s.reserve(s.length + 1, self._lead(layer))
+        lead, full = self._lead(layer), self.layers[layer]
+        store.reserve(store.length + 1, lead)
+        if full is not store:  # the layer store beside a per-turn decode set takes the token too
+            full.reserve(full.length + 1, lead)
         self.decode.prepare(layer, store, scores, self.split)
 
     # --- accounting --------------------------------------------------------------------------
