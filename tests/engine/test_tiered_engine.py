@@ -301,6 +301,33 @@ async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(m
         assert torch.equal(positions_held(cache, layer, 0), torch.arange(cache.history_len)), layer
 
 
+async def test_a_left_turn_holds_its_host_room_until_its_settle_ends(make_engine):
+    # With no Redis to spill to, a turn holds host slots for the pages it may demote. A turn left at its
+    # first token still demotes pages in its settle job; until that job ends its slots stay held, so no
+    # other turn is admitted against room the settle is about to fill.
+    engine = make_engine(mode="tiered", token_budget=128, digest_read_whole=0)
+    session = engine.create_session()
+    await engine.complete(session.id, FIRST, PARAMS)
+    assert engine.host_tier.reserved_bytes() == 0
+    events = await _leave_at_first_token(engine, session, LATER[0])
+    held_in_turn = engine.host_tier.reserved_bytes()
+    assert held_in_turn > 0
+    hold = threading.Event()
+    held = engine.batcher.submit(hold.wait)  # the settle job queues behind this one
+    await events.aclose()
+    assert not session.busy and session.turns[-1].finish_reason == "cancelled"  # free at once
+    assert engine.host_tier.reserved_bytes() == held_in_turn
+    hold.set()
+    held.result(timeout=60)
+    await engine.batcher.run(lambda: None)  # after the settle job (jobs run in order)
+    for _ in range(100):  # its release reaches the loop
+        if not engine.host_tier.reserved_bytes():
+            break
+        await asyncio.sleep(0.01)
+    assert engine.host_tier.reserved_bytes() == 0
+    assert session.turns[-1].device_bytes == session.cache.device_bytes()
+
+
 def _fail_decode_sets(monkeypatch) -> None:
     """From now on a layer's decode set cannot be built: the last step of applying a re-selection fails,
     after its tokens moved, leaving the cache half-updated (``SessionCache.broken``)."""
