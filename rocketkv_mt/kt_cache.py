@@ -9,6 +9,8 @@ import torch
 
 from rocketkv_mt.native import kt_bounds as native_kt
 
+KT_SPARE_PAGES = 64  # pages a decode set's bounds have room for beyond its kept tokens, by default
+
 
 def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """keys (Hkv, L, d) -> (kmin, kmax), each (Hkv, P, d)."""
@@ -60,7 +62,7 @@ class KTCache:
     how the bounds are built (``bounds_buffer``).
     """
 
-    def __init__(self, keys: torch.Tensor, page_size: int, spare_pages: int = 64, *, backend: str = "auto",
+    def __init__(self, keys: torch.Tensor, page_size: int, spare_pages: int = KT_SPARE_PAGES, *, backend: str = "auto",
                  reuse: "KTCache | None" = None):
         self.page_size = page_size
         self.length = keys.shape[1]

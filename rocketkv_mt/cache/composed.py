@@ -361,7 +361,7 @@ class ComposedCache:
         store.reserve(store.length + 1, lead)
         if full is not store:  # the layer store beside a per-turn decode set takes the token too
             full.reserve(full.length + 1, lead)
-        self.decode.prepare(layer, store, scores, self.split)
+        self.decode.prepare(layer, store, scores, self.split, lead)
 
     # --- accounting --------------------------------------------------------------------------
     def readmitted_tokens(self) -> int:

@@ -101,8 +101,9 @@ class DecodePolicy(Protocol):
 
     def __init__(self, spec: CacheSpec) -> None: ...
 
-    def prepare(self, layer: int, store: LayerKV, scores: torch.Tensor | None, split: BudgetSplit) -> None:
-        """A layer's decode set was (re)chosen; see ``CacheState.selected``."""
+    def prepare(self, layer: int, store: LayerKV, scores: torch.Tensor | None, split: BudgetSplit, lead: int) -> None:
+        """A layer's decode set was (re)chosen; see ``CacheState.selected``. What it builds for decode
+        has room for the first step with ``lead`` tokens to spare (``LayerKV.reserve``)."""
         ...
 
     def attend(self, layer: int, q: torch.Tensor, store: LayerKV, split: BudgetSplit, scaling: float) -> torch.Tensor:

@@ -8,7 +8,7 @@ from rocketkv_mt.cache import CacheSpec, make_cache
 from rocketkv_mt.cache.batch import BatchCache
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.config import RocketKVConfig
-from rocketkv_mt.kt_cache import KTCache
+from rocketkv_mt.kt_cache import KT_SPARE_PAGES, KTCache
 from rocketkv_mt.native import hsa as native_hsa
 
 HKV, G, D, LAYERS = 2, 2, 8, 8
@@ -45,7 +45,7 @@ def test_kt_next_slot_with_a_lead_grows_that_many_pages_early():
 
 
 @pytest.mark.skipif(not native_hsa.supports(torch.zeros(1)), reason="no C compiler")
-@pytest.mark.parametrize("mode", ["full", "rocketkv"])
+@pytest.mark.parametrize("mode", ["full", "rocketkv", "rocketkv-mt"])
 def test_the_layers_of_decoding_sessions_grow_on_different_steps(mode):
     spec = CacheSpec(LAYERS, HKV, D, torch.float32, torch.device("cpu"), kernels="native")
     rocket = RocketKVConfig(token_budget=16, window_size=4, kernel_size=3)
@@ -89,3 +89,35 @@ def test_the_layers_of_decoding_sessions_grow_on_different_steps(mode):
     # Both sessions are at the same length, so one layer of each moves in a step, not all eight (the
     # first step too: each layer's selection made the room its lead asks for).
     assert max(moves_per_step) <= 2, moves_per_step
+
+
+@pytest.mark.skipif(not native_hsa.supports(torch.zeros(1)), reason="no C compiler")
+def test_no_layer_grows_in_the_first_decode_step_when_its_lead_spans_many_small_pages():
+    # A large budget over a long prompt gives small HSA pages (3 tokens here), so the last layers' leads
+    # span more KT pages than a default spare; the selection leaves room for them all the same.
+    spec = CacheSpec(LAYERS, HKV, D, torch.float32, torch.device("cpu"), kernels="native")
+    cache = make_cache("rocketkv", spec, RocketKVConfig(token_budget=256, window_size=4, kernel_size=3))
+    gen = torch.Generator().manual_seed(1)
+
+    def qkv(n):
+        return tuple(torch.randn(1, h, n, D, generator=gen) for h in (HKV * G, HKV, HKV))
+
+    cache.begin_forward(1500, prefill=True, max_new=64)
+    for layer in range(LAYERS):
+        cache.attend(layer, *qkv(1500), D**-0.5)
+    cache.end_forward()
+    page = cache.split.page_size
+    assert page <= 3 and cache._lead(LAYERS - 1) // page > KT_SPARE_PAGES
+
+    def buffers():
+        return [(cache.layers[layer].buffers[0].data_ptr(), cache.decode.kt[layer].buffer.data_ptr())
+                for layer in range(LAYERS)]
+
+    before = buffers()
+    cache.begin_forward(1, prefill=False)
+    batch = BatchCache([cache], [1])
+    for layer in range(LAYERS):
+        batch.attend(layer, *qkv(1), D**-0.5)
+    assert not batch.errors
+    cache.end_forward()
+    assert buffers() == before

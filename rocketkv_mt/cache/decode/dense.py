@@ -17,7 +17,7 @@ class DenseDecode:
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
 
-    def prepare(self, layer: int, store: LayerKV, scores: torch.Tensor | None, split: BudgetSplit) -> None:
+    def prepare(self, layer: int, store: LayerKV, scores: torch.Tensor | None, split: BudgetSplit, lead: int) -> None:
         return None
 
     def attend(self, layer: int, q: torch.Tensor, store: LayerKV, split: BudgetSplit, scaling: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.cache.policy import TurnSize
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.config import BudgetSplit
-from rocketkv_mt.kt_cache import KTCache
+from rocketkv_mt.kt_cache import KT_SPARE_PAGES, KTCache
 
 
 @contextlib.contextmanager
@@ -41,9 +41,12 @@ class HSADecode:
         # Per layer, the pages this turn's window scored highest (Hkv, A); None when nothing was selected.
         self.anchors: list[torch.Tensor | None] = [None] * spec.num_layers
 
-    def prepare(self, layer: int, store: LayerKV, scores: torch.Tensor | None, split: BudgetSplit) -> None:
+    def prepare(self, layer: int, store: LayerKV, scores: torch.Tensor | None, split: BudgetSplit, lead: int) -> None:
         self.anchors[layer] = None if scores is None else anchor_pages(scores, split.page_size, split.anchor_pages)
-        self.kt[layer] = KTCache(store.keys, split.page_size, backend=self.spec.kernels, reuse=self.kt[layer])
+        # Spare pages past the lead (in pages, ``KTCache.next_slot``), so that no layer's bounds grow in
+        # the first decode step; a reused buffer must keep half the spare (``KTCache``).
+        spare = max(KT_SPARE_PAGES, 2 * (lead // split.page_size + 1))
+        self.kt[layer] = KTCache(store.keys, split.page_size, spare, backend=self.spec.kernels, reuse=self.kt[layer])
 
     def attend(self, layer: int, q: torch.Tensor, store: LayerKV, split: BudgetSplit, scaling: float) -> torch.Tensor:
         """q (Hq, 1, d) -> (Hq, 1, d)."""
