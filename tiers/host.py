@@ -59,7 +59,9 @@ class HostTier:
         self._doomed: set[PageKey] = set()  # spilling pages freed meanwhile: their Redis copy goes too
         self._pages: dict[str, set[str]] = {}  # per session: its pages in a slot (resident or spilling)
         self.copies = RedisCopies()  # which pages Redis holds, which generations name them (under the lock)
-        self._reserved: dict[str, int] = {}  # per session: slots its turn in flight may still fill
+        # Per holder (a session's turn in flight, by session id, or what was set aside for a job of an
+        # ended turn): its session, and the slots it may still fill.
+        self._reserved: dict[str, tuple[str, int]] = {}
         self._lock = threading.RLock()
 
     @property
@@ -75,9 +77,10 @@ class HostTier:
 
     # --- admission ---------------------------------------------------------------------------
     def reserve(self, session_id: str, pages: int) -> bool:
-        """Hold free slots for up to ``pages`` pages that a session's turn may demote, replacing what it
-        held; False (nothing held) when they are not free beside other turns' reservations. While pages
-        can spill to Redis nothing needs holding: any resident page can make way."""
+        """Hold free slots for up to ``pages`` pages that a session's turn may demote, replacing what the
+        turn held (not what ``set_aside`` moved); False (the turn holding nothing) when they are not free
+        beside what others hold. While pages can spill to Redis nothing needs holding: any resident page
+        can make way."""
         with self._lock:
             self._reserved.pop(session_id, None)
             if pages <= 0 or self._can_spill():
@@ -85,17 +88,27 @@ class HostTier:
             if pages > self._room(session_id):
                 self.refused += 1
                 return False
-            self._reserved[session_id] = pages
+            self._reserved[session_id] = (session_id, pages)
             return True
 
-    def release(self, session_id: str) -> None:
-        """A session's turn ended: the slots it held and did not fill are free for others."""
+    def set_aside(self, session_id: str, holder: str) -> None:
+        """The slots a session's turn holds stay held under ``holder`` (for a job of that turn still to
+        run), apart from the session's next turn, until ``release(holder)``; the session's stores fill
+        them as they fill the turn's."""
         with self._lock:
-            self._reserved.pop(session_id, None)
+            held = self._reserved.pop(session_id, None)
+            if held is not None:
+                self._reserved[holder] = held
+
+    def release(self, holder: str) -> None:
+        """A session's turn (a session id), or what was set aside for a job of it, ended: the slots it
+        held and did not fill are free for others."""
+        with self._lock:
+            self._reserved.pop(holder, None)
 
     def reserved_bytes(self) -> int:
         with self._lock:
-            return sum(self._reserved.values()) * self.page_bytes
+            return sum(n for _, n in self._reserved.values()) * self.page_bytes
 
     def free_bytes(self) -> int:
         """Bytes of the free slots (those held for turns in flight included)."""
@@ -104,7 +117,7 @@ class HostTier:
 
     def _room(self, session_id: str) -> int:
         """Free slots a session's store may take: those not held for other sessions' turns."""
-        others = sum(n for sid, n in self._reserved.items() if sid != session_id)
+        others = sum(n for sid, n in self._reserved.values() if sid != session_id)
         return max(0, self.pool.free_count() - others)
 
     # --- making room -------------------------------------------------------------------------
@@ -230,6 +243,19 @@ class HostTier:
             self.stats.bytes_written += nbytes
         return nbytes
 
+    def _fill_reserved(self, session_id: str, n: int) -> None:
+        """Under the lock: ``n`` slots a session's store filled count against what it held, first what was
+        set aside (the earlier turn's job runs before the next turn's demotions), then its turn's."""
+        for holder in [h for h, (sid, _) in self._reserved.items() if sid == session_id and h != session_id]:
+            n = self._take_reserved(holder, n)
+        self._take_reserved(session_id, n)
+
+    def _take_reserved(self, holder: str, n: int) -> int:
+        sid, held = self._reserved.get(holder, ("", 0))
+        if held:
+            self._reserved[holder] = (sid, max(0, held - n))
+        return max(0, n - held)
+
     @torch.inference_mode()
     def _store(self, session_id: str, page_ids: list[str], batch: PageBatch, required: bool) -> int:
         """Copy pages into slots (made room for); without ``required`` only the first ones that fit.
@@ -251,8 +277,7 @@ class HostTier:
                     self.stats.bytes -= self.page_bytes
                 self._resident[key] = slot
                 mine.add(key[1])
-            if session_id in self._reserved:
-                self._reserved[session_id] = max(0, self._reserved[session_id] - n)
+            self._fill_reserved(session_id, n)
             self.stats.entries += n
             self.stats.bytes += n * self.page_bytes
         return n
@@ -330,7 +355,8 @@ class HostTier:
                 self.pool.give_back([slot])
         self.stats.entries -= len(mine)
         self.stats.bytes -= len(mine) * self.page_bytes
-        self._reserved.pop(session_id, None)
+        for holder in [h for h, (sid, _) in self._reserved.items() if sid == session_id]:
+            del self._reserved[holder]
         return len(mine)
 
     def drop_session(self, session_id: str) -> int:

@@ -11,6 +11,7 @@ Called by the engine's admission (``app.engine.residency``) and when a turn ends
 """
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 from app.engine.errors import HostMemoryExhausted
@@ -26,6 +27,7 @@ class HostMemory:
         self.tier, self.tiers = tier, tiers
         self.layer_heads = spec.num_layers * spec.num_kv_heads
         self.refusals = 0  # turns refused for want of host memory, before or during their run
+        self._jobs = itertools.count()  # names what ``set_aside`` holds
 
     def pages(self, session: "Session", turn: TurnSize) -> int:
         """The most pages the turn may write to the host tier."""
@@ -45,6 +47,13 @@ class HostMemory:
 
     def release(self, session_id: str) -> None:
         self.tier.release(session_id)
+
+    def set_aside(self, session_id: str) -> str:
+        """Keep the host room of a session's ended turn held for a job of that turn still to run (it
+        may demote pages), apart from the session's next turn; returns its holder for ``release``."""
+        holder = f"{session_id}#job{next(self._jobs)}"
+        self.tier.set_aside(session_id, holder)
+        return holder
 
     def refuse(self, message: str) -> HostMemoryExhausted:
         """The error that refuses a turn for want of host memory, counted."""

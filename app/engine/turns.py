@@ -295,10 +295,11 @@ class TurnLoop:
         Only the model thread touches the tiers while steps run, so it settles there, as a job; this
         method cannot wait for it (it runs while the turn's generator is closed). The session is free
         at once: a next turn that begins first settles it itself (``begin_turn``), and the job then
-        leaves the cache alone. The turn's host room stays held until the job ends: the settle may still
-        demote pages into the host tier."""
+        leaves the cache alone. The turn's host room stays held until the job ends, apart from a next
+        turn's (which may be refused meanwhile): the settle may still demote pages into the host tier."""
         fed = cache.history_len
-        self._close_turn(session, stats, _measure(cache), keep_host=True)
+        held = self.host_memory.set_aside(session.id)
+        self._close_turn(session, stats, _measure(cache))
 
         def settle() -> tuple[int, int, int] | None:
             if session.cache is not cache or cache.history_len != fed:  # parked, or a later turn began
@@ -313,7 +314,7 @@ class TurnLoop:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # finalised outside the loop: the next turn's prefill, or a persist, settles it
-            self.host_memory.release(session.id)
+            self.host_memory.release(held)
             return
 
         def settled(fut) -> None:
@@ -322,34 +323,29 @@ class TurnLoop:
                 log.warning("session %s: a left turn's settle failed (%s)", session.id, fut.exception())
             else:
                 measured = fut.result()
-            loop.call_soon_threadsafe(self._record_settled, session, cache, fed, stats, measured)
+            loop.call_soon_threadsafe(self._record_settled, session, cache, fed, stats, measured, held)
 
         self.batcher.submit(settle).add_done_callback(settled)
 
     def _record_settled(self, session: Session, cache: SessionCache, fed: int, stats: TurnStats,
-                        measured: tuple[int, int, int] | None) -> None:
-        """Loop thread, after a left turn's settle job: its figures, and the host room it held, unless a
-        next turn of the session began meanwhile (its admission replaced that room with its own)."""
+                        measured: tuple[int, int, int] | None, held: str) -> None:
+        """Loop thread, after a left turn's settle job: the host room set aside for it is free, and its
+        figures are the session's unless a next turn began meanwhile."""
+        self.host_memory.release(held)
         if measured is not None:
             stats.device_bytes, stats.kept_tokens, stats.readmitted_tokens = measured
-        if session.busy:
-            return
-        self.host_memory.release(session.id)
-        if measured is not None and session.cache is cache and cache.history_len == fed:
-            self.memory_account.set_held(session.id, stats.device_bytes)
+            if session.cache is cache and cache.history_len == fed and not session.busy:
+                self.memory_account.set_held(session.id, stats.device_bytes)
         self.admissions.changed()
 
-    def _close_turn(self, session: Session, stats: TurnStats, measured: tuple[int, int, int] | None = None,
-                    keep_host: bool = False) -> None:
-        """Record the turn's memory figures and free the session for its next turn (its host room too,
-        unless ``keep_host``: a job of the turn may still demote pages)."""
+    def _close_turn(self, session: Session, stats: TurnStats, measured: tuple[int, int, int] | None = None) -> None:
+        """Record the turn's memory figures and free the session for its next turn."""
         if measured is not None:
             stats.device_bytes, stats.kept_tokens, stats.readmitted_tokens = measured
             self.memory_account.set_held(session.id, stats.device_bytes)
         self.memory_account.reserved.pop(session.id, None)
         self.memory_account.chunking.pop(session.id, None)
-        if not keep_host:
-            self.host_memory.release(session.id)
+        self.host_memory.release(session.id)
         self.admissions.changed()
         session.turns.append(stats)
         session.busy = False

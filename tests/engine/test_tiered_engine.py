@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from app.engine.errors import HostMemoryExhausted
+from app.engine.errors import DeviceMemoryExhausted, HostMemoryExhausted
 from app.engine.events import TextDelta
 from app.engine.sampling import SamplingParams
 from bench.haystack import hide
@@ -301,7 +301,11 @@ async def test_a_turn_left_before_its_first_decode_settles_on_the_model_thread(m
         assert torch.equal(positions_held(cache, layer, 0), torch.arange(cache.history_len)), layer
 
 
-async def test_a_left_turn_holds_its_host_room_until_its_settle_ends(make_engine):
+async def refuse_device(*args, **kwargs):
+    raise DeviceMemoryExhausted("injected: no device memory for this turn")
+
+
+async def test_a_left_turn_holds_its_host_room_until_its_settle_ends(make_engine, monkeypatch):
     # With no Redis to spill to, a turn holds host slots for the pages it may demote. A turn left at its
     # first token still demotes pages in its settle job; until that job ends its slots stay held, so no
     # other turn is admitted against room the settle is about to fill.
@@ -316,6 +320,12 @@ async def test_a_left_turn_holds_its_host_room_until_its_settle_ends(make_engine
     held = engine.batcher.submit(hold.wait)  # the settle job queues behind this one
     await events.aclose()
     assert not session.busy and session.turns[-1].finish_reason == "cancelled"  # free at once
+    assert engine.host_tier.reserved_bytes() == held_in_turn
+    # The client sends its next message at once, and it is refused: the settle's room stays held.
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_admit_device", refuse_device)
+        with pytest.raises(DeviceMemoryExhausted):
+            await engine.chat(session.id, LATER[1], PARAMS)
     assert engine.host_tier.reserved_bytes() == held_in_turn
     hold.set()
     held.result(timeout=60)

@@ -179,6 +179,28 @@ def test_without_redis_a_store_past_the_bound_is_refused_and_reservations_hold_r
     assert host.drop_session("a") == 3 and host.session_bytes("a") == 0 and host.stats.bytes == PAGE_BYTES
 
 
+def test_room_set_aside_for_an_ended_turns_job_outlives_the_sessions_next_turn():
+    # Without Redis: a session's turn holds 2 of 4 slots; it ends with a job still to demote pages, so
+    # its room is set aside. The session's next turn reserves (and is released) apart from it; other
+    # sessions see the set-aside slots held until the job's holder is released.
+    host = HostTier(capacity_bytes=4 * PAGE_BYTES, page_bytes=PAGE_BYTES)
+    assert host.reserve("a", 2)
+    host.set_aside("a", "a#job0")
+    assert host.reserved_bytes() == 2 * PAGE_BYTES
+    assert host.reserve("a", 1) and host.reserved_bytes() == 3 * PAGE_BYTES  # the next turn's, beside it
+    host.release("a")  # the next turn refused or ended
+    assert host.reserved_bytes() == 2 * PAGE_BYTES and not host.reserve("b", 3) and host.reserve("b", 2)
+    host.release("b")
+    # The job's stores fill what was set aside first, then what the session's turn holds.
+    assert host.reserve("a", 2)
+    host.put_many("a", ["p0", "p1", "p2"], stacked(*(make_page(i) for i in range(3))))
+    assert host.reserved_bytes() == PAGE_BYTES  # 2 + 2 held, 3 filled
+    host.release("a#job0")
+    assert host.reserved_bytes() == PAGE_BYTES  # the turn's last slot: set-aside room was filled first
+    host.set_aside("a", "a#job1")
+    assert host.drop_session("a") == 3 and host.reserved_bytes() == 0  # a dropped session holds nothing
+
+
 def test_host_tier_calls_run_one_at_a_time():
     """The page reader demotes one session's pages while the model thread reads another's: a call waits
     while another holds the tier, then completes intact."""
