@@ -4,8 +4,9 @@ all the sessions that have work at that moment.
 Sessions ask from the event loop (``prefill``, ``decode``, ``run``) and await the answer. The model
 thread loops:
 
-1. one queued job, if any (a cache lifecycle operation: restore, park, persist), alternating with
-   steps so that neither starves;
+1. one queued job, if any (a cache lifecycle operation: restore, park, persist, a turn's settle),
+   alternating with steps so that neither starves; jobs run in order, and one on a cache whose last
+   layer still settles on the page reader waits for that (with those behind it) while steps run;
 2. one step: the pending decode token of every session generating now, plus prefill tokens of the
    oldest waiting turn(s), packed into one forward (``ModelRunner.step``). A step carries at most
    ``prefill_chunk`` prefill tokens (``MAX_PREFILL_TOKENS`` when chunking is off, and then always at
@@ -95,6 +96,7 @@ SELECT_MIN_S = 0.005
 MIN_CHUNK = 4  # fewest prefill tokens a chunk fed beside decode tokens carries
 DECODE_WINDOW = 9  # decode-only steps whose median is the reference step time
 TOKEN_EMA = 0.5  # weight of the newest chunk in a chunked prefill's running cost per token
+SETTLE_POLL_S = 0.002  # how often a job waiting for the page reader looks again while nothing else runs
 ALONE_SLICE_S = 0.25  # a slice of a prefill fed layer by layer while nobody decodes (new turns get in between)
 MAX_LAYERED = 2  # prefills fed layer by layer at once (each carries its prompt's hidden states); more wait
 
@@ -123,7 +125,8 @@ class Batcher:
         self.stats = BatchStats()
         self.step_log: StepLog | None = None  # set to record every step (benchmarks)
         self._cond = threading.Condition()
-        self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        # Jobs in order, each with the cache it waits for to be ready (``submit``), if any.
+        self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future, SessionCache | None]] = deque()
         self._prefills: deque[Request] = deque()
         self._decodes: list[Request] = []
         self._selecting: list[Request] = []  # decodes held back while their cache's selection runs (model thread)
@@ -140,20 +143,23 @@ class Batcher:
         self._thread.start()
 
     # --- event-loop side -----------------------------------------------------------------------
-    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
-        """Queue ``fn`` to run on the model thread (between steps); returns its future."""
+    def submit(self, fn: Callable[[], T], after: SessionCache | None = None) -> concurrent.futures.Future:
+        """Queue ``fn`` to run on the model thread (between steps, jobs in order); returns its future.
+        ``after``: a cache whose last layer may still settle on the page reader (``decode_ready``): the
+        job, and those queued behind it, wait for that while steps run, rather than wait in it on
+        the model thread, which every stream would see."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._closed:
                 fut.set_exception(EngineClosed("the engine is closed"))
                 return fut
-            self._jobs.append((fn, fut))
+            self._jobs.append((fn, fut, after))
             self._cond.notify()
         return fut
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the model thread and return its result."""
-        return await _wait(self.submit(fn))
+    async def run(self, fn: Callable[[], T], after: SessionCache | None = None) -> T:
+        """Run ``fn`` on the model thread and return its result (``after`` as for ``submit``)."""
+        return await _wait(self.submit(fn, after))
 
     async def prefill(
         self, key: str, cache: SessionCache, ids: list[int], max_new: int, sampler: Sampler,
@@ -215,14 +221,15 @@ class Batcher:
         job_turn = True
         while True:
             with self._cond:
-                while not (self._jobs or self._prefills or self._decodes or self._selecting or self._layered
+                while not (self._job_ready() or self._prefills or self._decodes or self._selecting or self._layered
                            or self._closed):
-                    self._cond.wait()
+                    # Nothing tells when the page reader is done with a job's cache: look again shortly.
+                    self._cond.wait(SETTLE_POLL_S if self._jobs else None)
                 if self._closed:
                     break
                 steps_waiting = bool(self._prefills or self._decodes or self._selecting or self._layered)
-                if self._jobs and (job_turn or not steps_waiting):
-                    job = self._jobs.popleft()
+                if self._job_ready() and (job_turn or not steps_waiting):
+                    job = self._jobs.popleft()[:2]
                     job_turn = False
                 else:
                     job = None
@@ -246,6 +253,13 @@ class Batcher:
             if layered is not None:
                 self._layered_slice(layered, others)
         self._fail_pending()
+
+    def _job_ready(self) -> bool:
+        """Lock held: whether the next job may run now (the cache it waits for, if any, is ready)."""
+        if not self._jobs:
+            return False
+        after = self._jobs[0][2]
+        return after is None or after.decode_ready()
 
     def _gather(self) -> None:
         """Wait (lock held) until every generating session has asked, or a short while has passed; on an
@@ -513,7 +527,7 @@ class Batcher:
     def _fail_pending(self) -> None:
         with self._cond:
             pending = [r.future for r in [*self._prefills, *self._decodes, *self._selecting, *self._layered]]
-            pending += [f for _, f in self._jobs]
+            pending += [job[1] for job in self._jobs]
             self._prefills.clear()
             self._layered.clear()
             self._decodes.clear()

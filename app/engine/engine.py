@@ -222,7 +222,7 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
         session = self._sessions.get(session_id)
         if session is None or self.redis is None:
             return None
-        return await self._step(lambda: self._persist_job(session))
+        return await self._step(lambda: self._persist_job(session), after=session.cache)
 
     def stats(self) -> dict:
         """Device memory (budget, held, peak, parks, refusals) and batching figures of this engine."""

@@ -86,7 +86,7 @@ async def replay(
         pos += feed.decodes
         # The turn's end settles what its prefill deferred, moving bytes between the tiers: only the
         # model thread touches them while steps run.
-        await batcher.run(cache.end_turn)
+        await batcher.run(cache.end_turn, after=cache)
     yield TurnStatus("replay", len(feeds), len(feeds), pos, total)
 
 

@@ -129,7 +129,7 @@ class DeviceResidency:
         session.parked_kv = None
         session.parked = True
         self.memory_account.parks += 1
-        self.batcher.submit(lambda: self._park_job(session, cache))
+        self.batcher.submit(lambda: self._park_job(session, cache), after=cache)
 
     def _park_job(self, session: Session, cache: SessionCache) -> None:
         """Model thread: write the parked cache's KV to Redis where its mode can; else free its tiers."""

@@ -93,9 +93,10 @@ class TurnLoop:
             )
         return new_ids
 
-    async def _step(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the model thread, between batched steps; a cancelled caller still waits for it."""
-        return await self.batcher.run(fn)
+    async def _step(self, fn: Callable[[], T], after: SessionCache | None = None) -> T:
+        """Run ``fn`` on the model thread, between batched steps; a cancelled caller still waits for it.
+        ``after``: a cache it waits for, off that thread, to be ready (``Batcher.submit``)."""
+        return await self.batcher.run(fn, after)
 
     async def chat(
         self, session_id: str, content: str, params: SamplingParams | None = None
@@ -198,8 +199,9 @@ class TurnLoop:
             if not session.feeds[-1].decodes:
                 # The reply ended at its first token: what the prefill left to settle (a deferred
                 # selection, tiered's re-selection) runs on the model thread, which alone touches the
-                # tiers while steps run; a decode step would have settled it.
-                await self._step(cache.end_turn)
+                # tiers while steps run; a decode step would have settled it. The job waits for the
+                # page reader's part outside the model thread, as a held-back decode does.
+                await self._step(cache.end_turn, after=cache)
         except (GeneratorExit, asyncio.CancelledError):
             finish = "cancelled"
             left = True
@@ -325,7 +327,7 @@ class TurnLoop:
                 measured = fut.result()
             loop.call_soon_threadsafe(self._record_settled, session, cache, fed, stats, measured, held)
 
-        self.batcher.submit(settle).add_done_callback(settled)
+        self.batcher.submit(settle, after=cache).add_done_callback(settled)
 
     def _record_settled(self, session: Session, cache: SessionCache, fed: int, stats: TurnStats,
                         measured: tuple[int, int, int] | None, held: str) -> None:

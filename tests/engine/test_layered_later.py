@@ -122,6 +122,43 @@ async def test_the_message_s_decode_waits_for_its_last_layer_while_the_streams_g
         assert torch.equal(x.positions, y.positions)
 
 
+async def test_a_reply_ended_at_its_first_token_settles_without_stopping_the_streams(make_engine, monkeypatch):
+    """A one-token reply ends before any decode step, so the job that settles its turn runs on the model
+    thread; while its last layer still applies on the page reader (held here), that job waits off the
+    model thread, and the streaming session steps on; once the layer is applied the job runs."""
+    engine = make_engine(prefill_chunk=CHUNK)
+    later, _, held, streaming, _ = await three_sessions(engine, 28)
+    last = held.cache.spec.num_layers - 1
+    gate, applying = threading.Event(), threading.Event()
+    apply = ReselectTiered.apply
+
+    def gated(policy, layer, pending):
+        if policy.cache is held.cache and layer == last:
+            applying.set()
+            assert gate.wait(60)
+        apply(policy, layer, pending)
+
+    monkeypatch.setattr(ReselectTiered, "apply", gated)
+    started = asyncio.Event()
+    streams = asyncio.ensure_future(turn_helpers.stream(engine, streaming.id, message(engine, 29, 40),
+                                                        SamplingParams(max_tokens=400), started, 1))
+    await started.wait()
+    turn = asyncio.ensure_future(turn_helpers.run_turn(engine, held.id, later, SamplingParams(max_tokens=1)))
+    try:
+        assert await asyncio.get_running_loop().run_in_executor(None, applying.wait, 30)
+        await asyncio.sleep(0.3)  # the first token is out and the turn's settle job queued
+        steps = engine.batcher.stats.decode_steps
+        await asyncio.sleep(0.5)
+        assert engine.batcher.stats.decode_steps > steps  # the stream went on meanwhile
+        assert not held.cache.decode_ready() and not turn.done()
+    finally:
+        gate.set()
+    done = await turn
+    await streams
+    assert done.usage.generated_tokens == 1 and held.cache.decode_ready()
+    assert held.cache.history_len == held.fed_tokens
+
+
 @pytest.mark.parametrize("how", ["cancel", "disconnect", "refusal"])
 async def test_a_later_message_stopped_between_slices_leaves_the_history_as_before(make_engine, monkeypatch, how):
     monkeypatch.setattr(batcher_module, "ALONE_SLICE_S", 0.01)
