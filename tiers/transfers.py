@@ -4,7 +4,9 @@ One worker thread per engine does a read's host work (the gather from the pool, 
 while the model thread goes on computing; on CUDA the worker also issues the host-to-device copies
 (pinned source, ``non_blocking``) on a side stream, so they overlap the kernels of the main stream.
 ``wait`` hands the result over: the main stream waits for the side stream's copies, and the tensors
-are recorded as in use there so the allocator does not reuse them early.
+are recorded as in use there so the allocator does not reuse them early. A job the worker has not
+begun when its result is waited for (queued behind other work, another session's maybe) runs in the
+waiting thread instead: a wait never queues behind work it did not ask for.
 
 The host tier guards its index with a lock it never holds across a Redis call (``tiers.host``): the
 worker may write one session's demoted pages while the model thread reads another session's.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -50,19 +53,24 @@ class Transfers:
         if reads_device and self._stream is not None:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        return self._worker.submit(self._on_side_stream, fn, ready)
+        job = _Job(fn)
+        self._worker.submit(self._on_side_stream, job, ready)
+        return job
 
-    def _on_side_stream(self, fn: Callable[[], T], ready: "torch.cuda.Event | None" = None) -> T:
+    def _on_side_stream(self, job: "_Job", ready: "torch.cuda.Event | None" = None) -> None:
         if self._stream is None:
             with torch.inference_mode():
-                return fn()
+                return job.run()
         with torch.inference_mode(), torch.cuda.stream(self._stream):
             if ready is not None:
                 self._stream.wait_event(ready)
-            return fn()
+            return job.run()
 
-    def wait(self, fut: concurrent.futures.Future) -> T:
-        """The read's result, safe to use on the current stream (re-raises the read's error)."""
+    def wait(self, fut: "_Job") -> T:
+        """The result of a job ``start`` returned, safe to use on the current stream (re-raises the job's
+        error); run here, on the current stream, if the worker has not begun it."""
+        with torch.inference_mode():
+            fut.run()
         out = fut.result()
         if self._stream is not None:
             main = torch.cuda.current_stream(self.device)
@@ -72,8 +80,42 @@ class Transfers:
                     t.record_stream(main)
         return out
 
+    def forget(self, fut: "_Job") -> None:
+        """A job whose result is no longer wanted (a turn that stopped, a cache let go): one not begun
+        never runs; one begun ends first (its error dropped)."""
+        if not fut.discard() and fut.exception() is None:
+            self.wait(fut)
+
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+class _Job(concurrent.futures.Future):
+    """The future of one call of ``fn``, made by whichever thread claims it first: the worker when it
+    gets to it, or a thread that waits for it before then (``run``); or never (``discard``)."""
+
+    def __init__(self, fn: Callable[[], T]):
+        super().__init__()
+        self._fn = fn
+        self._claim = threading.Lock()
+
+    def run(self) -> None:
+        """Call ``fn`` into this future, unless another thread claimed it first (a no-op then)."""
+        if not self._claim.acquire(blocking=False):
+            return
+        fn, self._fn = self._fn, None  # what it read is the result's now, not held by the job
+        self.set_running_or_notify_cancel()
+        try:
+            self.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self.set_exception(exc)
+
+    def discard(self) -> bool:
+        """Cancel it if no thread has claimed it (True: it never runs)."""
+        if not self._claim.acquire(blocking=False):
+            return False
+        self._fn = None
+        return self.cancel()
 
 
 def _tensors(out) -> Iterator[torch.Tensor]:

@@ -95,10 +95,12 @@ def test_on_a_cpu_a_tiered_layer_selects_on_the_page_reader_and_the_next_layer_w
     select, threads = beside.prefill.select, {}
     last = SPEC.num_layers - 1
     gates = {1: threading.Event(), last: threading.Event()}
+    entered = {layer: threading.Event() for layer in gates}
 
     def gated_select(layer, q_win, scaling):
         threads[layer] = threading.current_thread().name
         if layer in gates:
+            entered[layer].set()
             assert gates[layer].wait(10)
         select(layer, q_win, scaling)
 
@@ -109,6 +111,7 @@ def test_on_a_cpu_a_tiered_layer_selects_on_the_page_reader_and_the_next_layer_w
     beside.prefill.select = gated_select
     beside.begin_layered(150, 4)
     got = [[feed(layer, a) for a in range(0, 150, 50)] for layer in range(2)]
+    assert entered[1].wait(10)  # the reader began it (waited for before that, it would run in the waiter)
     assert not beside.layered_ready(2) and beside.layers[1].length == 150 > inline.kept_tokens()  # still held
     # Started anyway, layer 2 waits for layer 1's selection before it takes its first group.
     first = []
@@ -131,10 +134,14 @@ def test_on_a_cpu_a_tiered_layer_selects_on_the_page_reader_and_the_next_layer_w
             got[layer].append(feed(layer, a))
             assert sum(store.length > inline.kept_tokens() for store in beside.layers) <= 1
     beside.end_layered()
+    assert entered[last].wait(10)
     assert inline.decode_ready() and not beside.decode_ready()
     gates[last].set()
     beside.end_turn()  # settles: waits for the last layer
-    assert beside.decode_ready() and all(threads[i].startswith("rkv-pages") for i in range(last + 1))
+    # The held layers ran on the page reader; any other may have run here, where it was waited for
+    # before the reader began it (``Transfers.wait``).
+    assert beside.decode_ready() and threads[1].startswith("rkv-pages") and threads[last].startswith("rkv-pages")
+    assert set(threads) == set(range(last + 1))
     for a, b in zip(expect, got):
         torch.testing.assert_close(torch.cat(b, dim=1), a, atol=1e-6, rtol=0)
     inline.end_turn()

@@ -50,9 +50,11 @@ def test_a_layer_read_whole_is_applied_on_the_page_reader_as_it_is_inline(monkey
             assert cache.cold_tokens() > 0
         (inline, inline_demotes, inline_bytes), (beside, beside_demotes, beside_bytes) = runs
         assert not any(name.startswith("rkv-pages") for _, name in inline_demotes)
-        # The two short turns: every layer but the last demoted on the reader, the last one here.
+        # The two short turns: layers but the last demoted on the reader (any of them here instead, where
+        # the next layer waited for it before the reader began it: ``Transfers.wait``), the last one here.
         on_reader = [layer for layer, name in beside_demotes if name.startswith("rkv-pages")]
-        assert sorted(on_reader) == sorted(list(range(SPEC.num_layers - 1)) * 2)
+        assert on_reader and max(on_reader) < SPEC.num_layers - 1
+        assert sorted(layer for layer, _ in beside_demotes) == sorted(layer for layer, _ in inline_demotes)
         last = [name for layer, name in beside_demotes if layer == SPEC.num_layers - 1]
         assert last and not any(name.startswith("rkv-pages") for name in last)
         for a, b in zip(inline[0], beside[0], strict=True):

@@ -72,3 +72,56 @@ def test_the_worker_flushes_subnormal_floats_only_when_asked(flush):
         assert not flushes_here()  # a per-thread mode: the caller's own arithmetic is untouched
     finally:
         transfers.close()
+
+
+def test_a_job_the_worker_has_not_begun_runs_in_the_thread_that_waits_for_it():
+    # The worker is busy with another session's long job: waiting for this read does not queue behind
+    # it; the read runs here, once, and the worker skips it when it gets there.
+    transfers = Transfers(torch.device("cpu"))
+    busy, release, calls = threading.Event(), threading.Event(), []
+
+    def long_job():
+        busy.set()
+        assert release.wait(5)
+        return "long"
+
+    def read():
+        calls.append(threading.current_thread().name)
+        return torch.ones(2)
+
+    try:
+        first = transfers.start(long_job)
+        assert busy.wait(5)
+        second = transfers.start(read)
+        assert torch.equal(transfers.wait(second), torch.ones(2)) and not first.done()
+        assert calls == [threading.current_thread().name]
+        release.set()
+        assert transfers.wait(first) == "long"
+        transfers.wait(transfers.start(lambda: None))  # the worker has passed the read by now
+        assert len(calls) == 1
+    finally:
+        transfers.close()
+
+
+def test_a_forgotten_job_never_runs_if_not_begun_and_ends_first_if_begun():
+    transfers = Transfers(torch.device("cpu"))
+    busy, release, ran = threading.Event(), threading.Event(), []
+
+    def long_job():
+        busy.set()
+        assert release.wait(5)
+        ran.append("long")
+
+    try:
+        first = transfers.start(long_job)
+        assert busy.wait(5)
+        queued = transfers.start(lambda: ran.append("queued"))
+        transfers.forget(queued)
+        assert queued.cancelled()
+        threading.Timer(0.1, release.set).start()
+        transfers.forget(first)  # begun: it ends before forget returns
+        assert ran == ["long"]
+        transfers.wait(transfers.start(lambda: None))
+        assert ran == ["long"]
+    finally:
+        transfers.close()

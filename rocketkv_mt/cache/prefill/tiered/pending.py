@@ -62,7 +62,7 @@ class Choosing:
         return self.future.done()
 
     def end(self) -> None:
-        self.future.exception()
+        self.transfers.forget(self.future)
 
 
 @dataclass
@@ -88,4 +88,4 @@ class Settling:
         return self.future.done()
 
     def end(self) -> None:
-        self.future.exception()
+        self.transfers.forget(self.future)

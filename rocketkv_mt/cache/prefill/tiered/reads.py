@@ -118,7 +118,7 @@ class ColdReads:
         if started is None or transfers is None:
             return None
         decoding = started[1]
-        return transfers.start(lambda: pool_logits(q_win, decoding.result().keys, scaling), reads_device=True)
+        return transfers.start(lambda: pool_logits(q_win, transfers.wait(decoding).keys, scaling), reads_device=True)
 
     def candidates(self, layer: int, q_win: torch.Tensor, window: Part, scaling: float, total: int,
                    whole: bool, ahead=None) -> tuple[tuple, StandIn | None]:
@@ -230,17 +230,18 @@ class ColdReads:
         return cold.fetch(cold.live_pages(), self.cache.spec.device, self.cache.traffic)
 
     def drop(self) -> None:
-        """Let every decode and read still in flight finish (a turn that stopped between layers), then
-        forget them: the next turn's pools and cold sets differ."""
+        """Let every decode and read in flight finish, and those not begun never run (a turn that stopped
+        between layers), then forget them: the next turn's pools and cold sets differ."""
         for started in self._sketches:
-            if started is not None and started[1].exception() is None:  # a failed decode has nothing to hand over
-                self.tiers.transfers.wait(started[1])
+            if started is not None:
+                self.tiers.transfers.forget(started[1])
         for started in self._reads:
-            if started is not None and started.exception() is None:
-                self.tiers.transfers.wait(started)
+            if started is not None:
+                self.tiers.transfers.forget(started)
         self._sketches = [None] * len(self._sketches)
         self._reads = [None] * len(self._reads)
 
     def nbytes(self) -> int:
         """A next layer's read once done (held until its layer attends)."""
-        return sum(read_bytes(r.result()) for r in self._reads if r is not None and r.done() and r.exception() is None)
+        return sum(read_bytes(r.result()) for r in self._reads if r is not None and r.done() and not r.cancelled()
+                   and r.exception() is None)
