@@ -6,8 +6,8 @@ next layer; the prompt's hidden states (1, n, hidden) are carried from layer to 
 output written over its input (a later group of the same layer needs only the keys and values the
 cache holds). The cache (``ComposedCache.begin_layered``) appends each group's keys and values to
 the layer's store, attends the group densely over it and, after the layer's last group, runs the
-mode's selection at once (Stage 1 with the layer's real observation window; evicted or demoted
-tokens leave the device). The result is the whole prefill's, up to float rounding (a group's size
+mode's selection (Stage 1 with the layer's real observation window; evicted or demoted tokens leave
+the device), here or on the page reader, which the next layer then waits for (``ready`` tells). The result is the whole prefill's, up to float rounding (a group's size
 changes how the kernels block their sums): every row attends to what it would have, and each layer
 selects from the same inputs. While it runs, a layer holds at most its
 own whole prompt, the layers before it their selections, and the layers after it nothing new.

@@ -168,8 +168,8 @@ class SessionCache(Protocol):
 
     def decode_ready(self) -> bool:
         """Whether the next decode step would not wait for work on the page reader (a layer's choice
-        that a prefill fed layer by layer left being applied there): the batcher holds the session's
-        decode back until then, while others step."""
+        still being made there, or being applied there after a prefill fed layer by layer): the
+        batcher holds the session's decode, and jobs on the cache, back until then, while others step."""
         ...
 
     def end_turn(self) -> None:

@@ -13,8 +13,10 @@ steps, or before the layer's next step at the latest.
 A first turn may instead be fed layer by layer (``begin_layered``, ``app.engine.layer_prefill``): the
 model runs one layer over the whole prompt, in groups of query rows, before the next layer. Each
 group's keys and values join the layer's store and its queries attend densely over it (exactly what
-the whole prefill's rows attend to); after the layer's last group the prefill policy selects at once,
-with the layer's window queries, so a layer holds its whole prompt only while it is the one running.
+the whole prefill's rows attend to); after the layer's last group the prefill policy selects with
+the layer's window queries (``PrefillPolicy.select_layered``: ``tiered`` on a CPU hands that to the
+page reader, and the next layer waits for it before it takes its first group), so a layer holds its
+whole prompt only while it is the one running, or until its selection is done.
 ``undo_layered`` takes such a prefill back: the cache is empty again, as before it.
 
 A later turn is fed layer by layer where the prefill policy says so (``PrefillPolicy.layered_turn``:

@@ -171,9 +171,10 @@ class ReselectTiered(PrefillPolicy):
 
     def previous_chosen(self, layer: int) -> None:
         """The layer before this one chosen (and applied, if that ran on the page reader), before this
-        one reads pages or demotes: one layer's read is held at a time. Only the last layer of a turn
-        fed layer by layer may still run on the reader after the turn has attended; its first decode
-        step waits for it (``before_step``), or is held back until it is done (``settled``)."""
+        one reads pages or demotes: one layer's read is held at a time. After the turn has attended,
+        the last layer may still run on the reader (its choice, or for a turn fed layer by layer its
+        application); its first decode step waits for it (``before_step``), or is held back until it
+        is done (``settled``)."""
         if layer:
             self._chosen(layer - 1)
 
