@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from app.engine import batcher as batcher_module
+from app.engine.errors import HostMemoryExhausted
 from app.engine.layer_prefill import LayerPrefill
 from app.engine.sampling import SamplingParams
 from rocketkv_mt.cache.prefill.tiered.policy import ReselectTiered
+from tiers.host import HostFull
 import turn_helpers
 from turn_helpers import message, reply_ids
 
@@ -157,6 +159,36 @@ async def test_a_reply_ended_at_its_first_token_settles_without_stopping_the_str
     await streams
     assert done.usage.generated_tokens == 1 and held.cache.decode_ready()
     assert held.cache.history_len == held.fed_tokens
+
+
+async def test_a_host_tier_failure_in_the_last_layer_after_the_first_token_ends_the_turn_as_an_error(
+        make_engine, monkeypatch):
+    """The last layer's application runs on the page reader after the first token is out; when the host
+    tier fills up there (Redis gone since admission), the turn ends with ``host_memory_exhausted`` after
+    its first token rather than being refused whole: the cache is dropped, the message and an empty,
+    closed reply stay in the history, and the next turn rebuilds the cache from it."""
+    engine = make_engine(prefill_chunk=CHUNK)
+    later, _, held, _, _ = await three_sessions(engine, 30)
+    last = held.cache.spec.num_layers - 1
+    apply = ReselectTiered.apply
+
+    def failing(policy, layer, pending):
+        if policy.cache is held.cache and layer == last:
+            raise HostFull("injected: no free host slot and nothing can spill")
+        apply(policy, layer, pending)
+
+    monkeypatch.setattr(ReselectTiered, "apply", failing)
+    events = await engine.chat(held.id, later, PARAMS)
+    with pytest.raises(HostMemoryExhausted, match="the turn was stopped"):
+        async for _ in events:
+            pass
+    assert held.feeds[-1].prefill > 0 and held.cache is None and not held.busy
+    assert held.messages[-2] == {"role": "user", "content": later}
+    assert held.messages[-1]["error"] and held.messages[-1]["closed"]
+    assert engine.host_tier.reserved_bytes() == 0
+    monkeypatch.undo()
+    done = await run_turn(engine, held.id, "And in one word?")
+    assert done.usage.generated_tokens > 0 and done.usage.prefilled_tokens == done.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("how", ["cancel", "disconnect", "refusal"])
