@@ -146,7 +146,7 @@ class ComposedCache:
         self._keyed[layer] = fed + n
 
     def layered_ready(self, layer: int) -> bool:
-        return self._later.ready(layer) if self._later is not None else self.prefill.previous_settled(layer)
+        return self.prefill.previous_settled(layer)  # the layer before chosen, and applied: ``begin`` would not wait
 
     def layered_window_rows(self) -> int:
         """How many of the turn's last rows are its window (``layered_window``)."""

@@ -61,14 +61,12 @@ class TurnSize:
 
 class LayeredTurn(Protocol):
     """A later turn's prefill fed layer by layer, keys first (``ComposedCache.begin_layered``): ``begin``
-    before a layer's store takes the turn's keys (``ready``: without waiting); once it holds the whole
-    turn, ``window`` with its window rows (Hq, w, d); then ``rows`` for each group of rows (Hq, r, d)
+    before a layer's store takes the turn's keys (without waiting once the prefill policy's
+    ``previous_settled``); once it holds the whole turn, ``window`` with its window rows (Hq, w, d); then ``rows`` for each group of rows (Hq, r, d)
     in order, from turn row ``first_row``, giving their attention (Hq, r, d); then ``end``, before the
     next layer runs."""
 
     def begin(self, layer: int) -> None: ...
-
-    def ready(self, layer: int) -> bool: ...
 
     def window(self, layer: int, q_win: torch.Tensor, scaling: float) -> None: ...
 

@@ -87,10 +87,6 @@ class TieredLayeredTurn:
         still be applying it on the page reader), so one layer at a time holds the turn."""
         self.policy.previous_chosen(layer)
 
-    def ready(self, layer: int) -> bool:
-        """Whether ``begin`` would not wait: the layer before has applied its choice."""
-        return self.policy.previous_settled(layer)
-
     def end(self, layer: int) -> None:
         """Every row has attended: the choice becomes the layer's primary set (the rest goes cold). On
         a CPU the application (demoting the turn's tokens as pages) runs on the page reader, beside
