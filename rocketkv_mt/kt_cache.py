@@ -63,7 +63,7 @@ class KTCache:
     """
 
     def __init__(self, keys: torch.Tensor, page_size: int, spare_pages: int = KT_SPARE_PAGES, *, backend: str = "auto",
-                 reuse: "KTCache | None" = None):
+                 reuse: "KTCache | None" = None, lead_pages: int = 0):
         self.page_size = page_size
         self.length = keys.shape[1]
         self.head_dim = keys.shape[2]
@@ -71,10 +71,11 @@ class KTCache:
         # over where it holds these pages and half the spare ones: a fresh buffer every layer and turn
         # was faulted in page by page (~0.6 MB a layer of 700 kept tokens; on the load bench a third
         # of the page faults of a round). Stage 1 keeps about as many tokens every turn, so the last
-        # turn's buffer mostly fits; a reply past its spare pages grows it (``_grow``).
+        # turn's buffer mostly fits; a reply past its spare pages grows it (``_grow``). Reused, it keeps
+        # room for the first page with ``lead_pages`` (``next_slot``) too.
         self.pages = -(-self.length // page_size)
         old = reuse._bounds if reuse is not None else None
-        if fits(old, keys, self.pages + spare_pages // 2):
+        if fits(old, keys, self.pages + max(spare_pages // 2, lead_pages + 1)):
             spare_pages = old.shape[2] - self.pages
         else:
             old = None

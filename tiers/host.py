@@ -85,7 +85,9 @@ class HostTier:
             self._reserved.pop(session_id, None)
             if pages <= 0 or self._can_spill():
                 return True
-            if pages > self._room(session_id):
+            # Room set aside for a job of the session's earlier turn is not this turn's to count on.
+            if pages > max(0, self.pool.free_count() - sum(n for holder, (_, n) in self._reserved.items()
+                                                             if holder != session_id)):
                 self.refused += 1
                 return False
             self._reserved[session_id] = (session_id, pages)

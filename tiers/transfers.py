@@ -45,26 +45,30 @@ class Transfers:
         """Whether handed-over work runs on a CUDA side stream (else on a CPU core of its own)."""
         return self._stream is not None
 
-    def start(self, fn: Callable[[], T], reads_device: bool = False) -> concurrent.futures.Future:
+    def start(self, fn: Callable[[], T], reads_device: bool = False) -> "_Job":
         """Run ``fn`` (a read that returns tensors, alone or in tuples, lists and dataclasses) on the worker
-        thread. ``reads_device``: ``fn`` reads tensors the model thread computed, so on CUDA the side
-        stream first waits for what the current stream has queued."""
+        thread, unless a thread waits for it before the worker begins it (``wait``). ``reads_device``:
+        ``fn`` reads tensors the model thread computed, so on CUDA the side stream first waits for what
+        the current stream has queued."""
         ready = None
         if reads_device and self._stream is not None:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        job = _Job(fn)
+        job = _Job(fn, self._stream is not None)
         self._worker.submit(self._on_side_stream, job, ready)
         return job
 
     def _on_side_stream(self, job: "_Job", ready: "torch.cuda.Event | None" = None) -> None:
-        if self._stream is None:
-            with torch.inference_mode():
+        try:
+            if self._stream is None:
+                with torch.inference_mode():
+                    return job.run()
+            with torch.inference_mode(), torch.cuda.stream(self._stream):
+                if ready is not None:
+                    self._stream.wait_event(ready)
                 return job.run()
-        with torch.inference_mode(), torch.cuda.stream(self._stream):
-            if ready is not None:
-                self._stream.wait_event(ready)
-            return job.run()
+        except BaseException as exc:  # noqa: BLE001 - failed before the job ran: its waiters get the error
+            job.fail(exc)
 
     def wait(self, fut: "_Job") -> T:
         """The result of a job ``start`` returned, safe to use on the current stream (re-raises the job's
@@ -73,17 +77,21 @@ class Transfers:
             fut.run()
         out = fut.result()
         if self._stream is not None:
-            main = torch.cuda.current_stream(self.device)
-            main.wait_stream(self._stream)
+            # The stream the job ran on (the side stream, or another thread's current one) may still be
+            # writing what it handed back: this one waits for it, and the tensors are in use here.
+            here = torch.cuda.current_stream(self.device)
+            here.wait_event(fut.finished)
             for t in _tensors(out):
                 if t.is_cuda:
-                    t.record_stream(main)
+                    t.record_stream(here)
         return out
 
     def forget(self, fut: "_Job") -> None:
         """A job whose result is no longer wanted (a turn that stopped, a cache let go): one not begun
         never runs; one begun ends first (its error dropped)."""
-        if not fut.discard() and fut.exception() is None:
+        if fut.cancelled() or fut.discard():
+            return
+        if fut.exception() is None:
             self.wait(fut)
 
     def close(self) -> None:
@@ -94,9 +102,12 @@ class _Job(concurrent.futures.Future):
     """The future of one call of ``fn``, made by whichever thread claims it first: the worker when it
     gets to it, or a thread that waits for it before then (``run``); or never (``discard``)."""
 
-    def __init__(self, fn: Callable[[], T]):
+    def __init__(self, fn: Callable[[], T], cuda: bool = False):
+        """``cuda``: mark, once ``fn`` returns, where the current CUDA stream is (``finished``)."""
         super().__init__()
         self._fn = fn
+        self._cuda = cuda
+        self.finished: "torch.cuda.Event | None" = None
         self._claim = threading.Lock()
 
     def run(self) -> None:
@@ -106,8 +117,19 @@ class _Job(concurrent.futures.Future):
         fn, self._fn = self._fn, None  # what it read is the result's now, not held by the job
         self.set_running_or_notify_cancel()
         try:
-            self.set_result(fn())
+            out = fn()
+            if self._cuda:
+                self.finished = torch.cuda.Event()
+                self.finished.record()
+            self.set_result(out)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self.set_exception(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """End it with ``exc`` if no thread has claimed it."""
+        if self._claim.acquire(blocking=False):
+            self._fn = None
+            self.set_running_or_notify_cancel()
             self.set_exception(exc)
 
     def discard(self) -> bool:

@@ -304,7 +304,9 @@ class TurnLoop:
         self._close_turn(session, stats, _measure(cache))
 
         def settle() -> tuple[int, int, int] | None:
-            if session.cache is not cache or cache.history_len != fed:  # parked, or a later turn began
+            # Parked, or a later turn began (its forward may be under way: fed layer by layer, the
+            # history grows only at its end); that turn settled the cache itself.
+            if session.cache is not cache or cache.history_len != fed or cache.step is not None:
                 return None
             try:
                 cache.end_turn()

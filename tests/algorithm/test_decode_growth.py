@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from rocketkv_mt.cache import CacheSpec, make_cache
+from rocketkv_mt.cache.decode.hsa import HSADecode
 from rocketkv_mt.cache.batch import BatchCache
 from rocketkv_mt.cache.store import LayerKV
-from rocketkv_mt.config import RocketKVConfig
+from rocketkv_mt.config import BudgetSplit, RocketKVConfig
 from rocketkv_mt.kt_cache import KT_SPARE_PAGES, KTCache
 from rocketkv_mt.native import hsa as native_hsa
 
@@ -121,3 +122,31 @@ def test_no_layer_grows_in_the_first_decode_step_when_its_lead_spans_many_small_
     assert not batch.errors
     cache.end_forward()
     assert buffers() == before
+
+
+@pytest.mark.parametrize("page_size", [3, 4, 6])
+def test_the_kt_bounds_of_many_layers_grow_on_different_steps(page_size):
+    # 32 layers, leads spread over a store chunk (as ``ComposedCache._lead`` gives them): each layer's
+    # bounds, prepared by HSA for its selection, first grow on a step of its own, none in the first.
+    layers, kept = 32, 600
+    spec = CacheSpec(layers, HKV, D, torch.float32, torch.device("cpu"), kernels="torch")
+    split = BudgetSplit(token_budget=256, window_size=4, kernel_size=3, prompt_budget=kept, page_size=page_size,
+                        topr=D, topk=64)
+    decode = HSADecode(spec)
+    grows_at = []
+    for layer in range(layers):
+        store = LayerKV(HKV, D, torch.float32, torch.device("cpu"))
+        k = torch.randn(HKV, kept, D)
+        store.append(k, k, torch.arange(kept))
+        lead = store.chunk * layer // layers
+        decode.prepare(layer, store, None, split, lead)
+        kt = decode.kt[layer]
+        for step in range(20 * store.chunk):
+            capacity = kt.buffer.shape[2]
+            kt.next_slot(lead // page_size)
+            if kt.buffer.shape[2] != capacity:
+                grows_at.append(step)
+                break
+            kt.appended()
+    assert len(grows_at) == layers and min(grows_at) > 0
+    assert len(set(grows_at)) == layers, grows_at

@@ -4,7 +4,9 @@ the model)."""
 import asyncio
 import threading
 
-from app.engine.batcher import Batcher
+import pytest
+
+from app.engine.batcher import Batcher, EngineClosed
 from test_batcher_arrivals import GREEDY, Cache, RecordingRunner
 
 
@@ -42,3 +44,12 @@ async def test_a_job_after_a_settling_cache_waits_while_steps_run_and_jobs_keep_
     finally:
         batcher.close()
     assert len(runner.steps) >= 20
+
+
+async def test_closing_fails_a_job_still_waiting_for_its_cache():
+    batcher = Batcher(RecordingRunner())
+    job = batcher.submit(lambda: "ran", after=SettlingCache())
+    await asyncio.sleep(0.02)
+    batcher.close()
+    with pytest.raises(EngineClosed):
+        job.result(timeout=5)

@@ -321,7 +321,8 @@ async def test_a_left_turn_holds_its_host_room_until_its_settle_ends(make_engine
     await events.aclose()
     assert not session.busy and session.turns[-1].finish_reason == "cancelled"  # free at once
     assert engine.host_tier.reserved_bytes() == held_in_turn
-    # The client sends its next message at once, and it is refused: the settle's room stays held.
+    # The client sends its next message at once, and it is refused (no device memory for it): the
+    # settle's room stays held all the same.
     with monkeypatch.context() as patch:
         patch.setattr(engine, "_admit_device", refuse_device)
         with pytest.raises(DeviceMemoryExhausted):

@@ -187,6 +187,7 @@ def test_room_set_aside_for_an_ended_turns_job_outlives_the_sessions_next_turn()
     assert host.reserve("a", 2)
     host.set_aside("a", "a#job0")
     assert host.reserved_bytes() == 2 * PAGE_BYTES
+    assert not host.reserve("a", 3)  # two slots are free beside what was set aside, not four
     assert host.reserve("a", 1) and host.reserved_bytes() == 3 * PAGE_BYTES  # the next turn's, beside it
     host.release("a")  # the next turn refused or ended
     assert host.reserved_bytes() == 2 * PAGE_BYTES and not host.reserve("b", 3) and host.reserve("b", 2)

@@ -117,6 +117,7 @@ def test_a_forgotten_job_never_runs_if_not_begun_and_ends_first_if_begun():
         assert busy.wait(5)
         queued = transfers.start(lambda: ran.append("queued"))
         transfers.forget(queued)
+        transfers.forget(queued)  # again: nothing to do
         assert queued.cancelled()
         threading.Timer(0.1, release.set).start()
         transfers.forget(first)  # begun: it ends before forget returns

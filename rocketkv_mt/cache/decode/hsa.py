@@ -43,10 +43,12 @@ class HSADecode:
 
     def prepare(self, layer: int, store: LayerKV, scores: torch.Tensor | None, split: BudgetSplit, lead: int) -> None:
         self.anchors[layer] = None if scores is None else anchor_pages(scores, split.page_size, split.anchor_pages)
-        # Spare pages past the lead (in pages, ``KTCache.next_slot``), so that no layer's bounds grow in
-        # the first decode step; a reused buffer must keep half the spare (``KTCache``).
-        spare = max(KT_SPARE_PAGES, 2 * (lead // split.page_size + 1))
-        self.kt[layer] = KTCache(store.keys, split.page_size, spare, backend=self.spec.kernels, reuse=self.kt[layer])
+        # No layer's bounds grow in the first decode step: the spare pages pass every layer's lead (each
+        # under a store chunk), the same for all layers so that their leads still spread their growth.
+        page = split.page_size
+        spare = max(KT_SPARE_PAGES, store.chunk // page + 2)
+        self.kt[layer] = KTCache(store.keys, page, spare, backend=self.spec.kernels, reuse=self.kt[layer],
+                                 lead_pages=lead // page)
 
     def attend(self, layer: int, q: torch.Tensor, store: LayerKV, split: BudgetSplit, scaling: float) -> torch.Tensor:
         """q (Hq, 1, d) -> (Hq, 1, d)."""
