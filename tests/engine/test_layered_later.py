@@ -43,6 +43,32 @@ async def three_sessions(engine, seed: int):
     return later, reference, other, streaming, await run_turn(engine, reference.id, later)
 
 
+def hold_last_layer(monkeypatch, cache) -> tuple[threading.Event, threading.Event]:
+    """From now on the cache's last layer, when it applies its choice, waits for the returned gate;
+    the other event tells that it has begun."""
+    last = cache.spec.num_layers - 1
+    gate, applying = threading.Event(), threading.Event()
+    apply = ReselectTiered.apply
+
+    def gated(policy, layer, pending):
+        if policy.cache is cache and layer == last:
+            applying.set()
+            assert gate.wait(60)
+        apply(policy, layer, pending)
+
+    monkeypatch.setattr(ReselectTiered, "apply", gated)
+    return gate, applying
+
+
+async def streaming_beside(engine, session, seed: int) -> asyncio.Future:
+    """A long reply streaming in ``session``, once its first token is out."""
+    started = asyncio.Event()
+    streams = asyncio.ensure_future(turn_helpers.stream(engine, session.id, message(engine, seed, 40),
+                                                        SamplingParams(max_tokens=400), started, 1))
+    await started.wait()
+    return streams
+
+
 async def test_a_long_later_message_is_fed_layer_by_layer_as_a_whole_prefill_would(make_engine):
     whole, engine = make_engine(prefill_chunk=0), make_engine(prefill_chunk=CHUNK)
     later, third = message(engine, 22, 230), "And in one word?"
@@ -72,10 +98,7 @@ async def test_while_the_next_layer_is_not_ready_the_streams_go_on_and_the_messa
     later, reference, deferred, streaming, done_ref = await three_sessions(engine, 24)
     ready, asks = LayerPrefill.ready, []
     monkeypatch.setattr(LayerPrefill, "ready", lambda plan: bool(asks.append(1)) or len(asks) % 3 == 0 and ready(plan))
-    started = asyncio.Event()
-    streams = asyncio.ensure_future(turn_helpers.stream(engine, streaming.id, message(engine, 25, 40),
-                                                        SamplingParams(max_tokens=400), started, 1))
-    await started.wait()
+    streams = await streaming_beside(engine, streaming, 25)
     steps = engine.batcher.stats.decode_steps
     done = await run_turn(engine, deferred.id, later)
     assert engine.batcher.stats.layered_deferred > 0
@@ -92,21 +115,9 @@ async def test_the_message_s_decode_waits_for_its_last_layer_while_the_streams_g
     streaming session steps meanwhile, and the reply and kept positions are a reference turn's."""
     engine = make_engine(prefill_chunk=CHUNK)
     later, reference, held, streaming, done_ref = await three_sessions(engine, 26)
-    last = held.cache.spec.num_layers - 1
-    gate, applying = threading.Event(), threading.Event()
-    apply = ReselectTiered.apply
-
-    def gated(policy, layer, pending):
-        if policy.cache is held.cache and layer == last:
-            applying.set()
-            assert gate.wait(60)
-        apply(policy, layer, pending)
-
-    monkeypatch.setattr(ReselectTiered, "apply", gated)
-    started, first = asyncio.Event(), asyncio.Event()
-    streams = asyncio.ensure_future(turn_helpers.stream(engine, streaming.id, message(engine, 27, 40),
-                                                        SamplingParams(max_tokens=400), started, 1))
-    await started.wait()
+    gate, applying = hold_last_layer(monkeypatch, held.cache)
+    first = asyncio.Event()
+    streams = await streaming_beside(engine, streaming, 27)
     turn = asyncio.ensure_future(turn_helpers.stream(engine, held.id, later, PARAMS, first, 1))
     try:
         assert await asyncio.get_running_loop().run_in_executor(None, applying.wait, 30)
@@ -130,21 +141,8 @@ async def test_a_reply_ended_at_its_first_token_settles_without_stopping_the_str
     model thread, and the streaming session steps on; once the layer is applied the job runs."""
     engine = make_engine(prefill_chunk=CHUNK)
     later, _, held, streaming, _ = await three_sessions(engine, 28)
-    last = held.cache.spec.num_layers - 1
-    gate, applying = threading.Event(), threading.Event()
-    apply = ReselectTiered.apply
-
-    def gated(policy, layer, pending):
-        if policy.cache is held.cache and layer == last:
-            applying.set()
-            assert gate.wait(60)
-        apply(policy, layer, pending)
-
-    monkeypatch.setattr(ReselectTiered, "apply", gated)
-    started = asyncio.Event()
-    streams = asyncio.ensure_future(turn_helpers.stream(engine, streaming.id, message(engine, 29, 40),
-                                                        SamplingParams(max_tokens=400), started, 1))
-    await started.wait()
+    gate, applying = hold_last_layer(monkeypatch, held.cache)
+    streams = await streaming_beside(engine, streaming, 29)
     turn = asyncio.ensure_future(turn_helpers.run_turn(engine, held.id, later, SamplingParams(max_tokens=1)))
     try:
         assert await asyncio.get_running_loop().run_in_executor(None, applying.wait, 30)

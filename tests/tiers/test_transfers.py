@@ -74,24 +74,32 @@ def test_the_worker_flushes_subnormal_floats_only_when_asked(flush):
         transfers.close()
 
 
-def test_a_job_the_worker_has_not_begun_runs_in_the_thread_that_waits_for_it():
-    # The worker is busy with another session's long job: waiting for this read does not queue behind
-    # it; the read runs here, once, and the worker skips it when it gets there.
-    transfers = Transfers(torch.device("cpu"))
-    busy, release, calls = threading.Event(), threading.Event(), []
+def busy_with_a_long_job(transfers, result, then=lambda: None):
+    """The worker runs a job until the returned event is set (then ``then()``; it returns ``result``)."""
+    busy, release = threading.Event(), threading.Event()
 
     def long_job():
         busy.set()
         assert release.wait(5)
-        return "long"
+        then()
+        return result
+
+    job = transfers.start(long_job)
+    assert busy.wait(5)
+    return job, release
+
+
+def test_a_job_the_worker_has_not_begun_runs_in_the_thread_that_waits_for_it():
+    # The worker is busy with another session's long job: waiting for this read does not queue behind
+    # it; the read runs here, once, and the worker skips it when it gets there.
+    transfers, calls = Transfers(torch.device("cpu")), []
 
     def read():
         calls.append(threading.current_thread().name)
         return torch.ones(2)
 
     try:
-        first = transfers.start(long_job)
-        assert busy.wait(5)
+        first, release = busy_with_a_long_job(transfers, "long")
         second = transfers.start(read)
         assert torch.equal(transfers.wait(second), torch.ones(2)) and not first.done()
         assert calls == [threading.current_thread().name]
@@ -104,17 +112,9 @@ def test_a_job_the_worker_has_not_begun_runs_in_the_thread_that_waits_for_it():
 
 
 def test_a_forgotten_job_never_runs_if_not_begun_and_ends_first_if_begun():
-    transfers = Transfers(torch.device("cpu"))
-    busy, release, ran = threading.Event(), threading.Event(), []
-
-    def long_job():
-        busy.set()
-        assert release.wait(5)
-        ran.append("long")
-
+    transfers, ran = Transfers(torch.device("cpu")), []
     try:
-        first = transfers.start(long_job)
-        assert busy.wait(5)
+        first, release = busy_with_a_long_job(transfers, None, then=lambda: ran.append("long"))
         queued = transfers.start(lambda: ran.append("queued"))
         transfers.forget(queued)
         transfers.forget(queued)  # again: nothing to do
