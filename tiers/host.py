@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -86,8 +87,7 @@ class HostTier:
             if pages <= 0 or self._can_spill():
                 return True
             # Room set aside for a job of the session's earlier turn is not this turn's to count on.
-            if pages > max(0, self.pool.free_count() - sum(n for holder, (_, n) in self._reserved.items()
-                                                             if holder != session_id)):
+            if pages > self._free_beside(lambda holder, _: holder == session_id):
                 self.refused += 1
                 return False
             self._reserved[session_id] = (session_id, pages)
@@ -119,8 +119,16 @@ class HostTier:
 
     def _room(self, session_id: str) -> int:
         """Free slots a session's store may take: those not held for other sessions' turns."""
-        others = sum(n for sid, n in self._reserved.values() if sid != session_id)
+        return self._free_beside(lambda _, sid: sid == session_id)
+
+    def _free_beside(self, own: Callable[[str, str], bool]) -> int:
+        """Free slots not held by any holder that ``own(holder, session id)`` does not call its own."""
+        others = sum(n for holder, (sid, n) in self._reserved.items() if not own(holder, sid))
         return max(0, self.pool.free_count() - others)
+
+    def _holders(self, session_id: str) -> list[str]:
+        """A session's holders, in the order they began holding."""
+        return [holder for holder, (sid, _) in self._reserved.items() if sid == session_id]
 
     # --- making room -------------------------------------------------------------------------
     def _make_room(self, session_id: str, n: int, protect: set[PageKey], required: bool) -> list[int]:
@@ -248,8 +256,9 @@ class HostTier:
     def _fill_reserved(self, session_id: str, n: int) -> None:
         """Under the lock: ``n`` slots a session's store filled count against what it held, first what was
         set aside (the earlier turn's job runs before the next turn's demotions), then its turn's."""
-        for holder in [h for h, (sid, _) in self._reserved.items() if sid == session_id and h != session_id]:
-            n = self._take_reserved(holder, n)
+        for holder in self._holders(session_id):
+            if holder != session_id:
+                n = self._take_reserved(holder, n)
         self._take_reserved(session_id, n)
 
     def _take_reserved(self, holder: str, n: int) -> int:
@@ -357,7 +366,7 @@ class HostTier:
                 self.pool.give_back([slot])
         self.stats.entries -= len(mine)
         self.stats.bytes -= len(mine) * self.page_bytes
-        for holder in [h for h, (sid, _) in self._reserved.items() if sid == session_id]:
+        for holder in self._holders(session_id):
             del self._reserved[holder]
         return len(mine)
 
