@@ -32,6 +32,18 @@ def load_tasks(path: str) -> list[dict]:
     return rows
 
 
+def pick(tasks: list[dict], ids: str = "", limit: int = 0) -> list[dict]:
+    """The conversations to run: those named in ``ids`` (comma-separated, in the file's order; every
+    name must be there), else all; then the first ``limit`` of them (0: no limit)."""
+    wanted = [i for i in ids.split(",") if i]
+    if wanted:
+        missing = sorted(set(wanted) - {t["id"] for t in tasks})
+        if missing:
+            raise ValueError(f"no conversation with id {', '.join(map(repr, missing))} in the task file")
+        tasks = [t for t in tasks if t["id"] in wanted]
+    return tasks[:limit] if limit else tasks
+
+
 def answered(turn: dict, reply: str) -> bool:
     """Whether one of the turn's gold answers occurs in the reply, case-insensitively."""
     text = reply.lower()
@@ -94,9 +106,7 @@ def summary(per_turn, peak, latencies, replies, traffic=None, per_kind=None) -> 
 
 
 def main(args) -> int:
-    tasks = load_tasks(args.tasks)
-    if args.limit:
-        tasks = tasks[: args.limit]
+    tasks = pick(load_tasks(args.tasks), args.ids, args.limit)
     engines = Engines(quiet=args.quiet,
                       **({"prefill_attention": args.prefill_attention} if args.prefill_attention else {}))
     modes = [m for m in args.modes.split(",") if m]

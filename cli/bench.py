@@ -322,6 +322,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--limit", type=int, default=0, help="only the first N conversations")
+    p.add_argument("--ids", default="", help="only the conversations with these ids (comma-separated)")
     p.add_argument("--prefill-attention", choices=["dense", "selected"], default=None)
     p.add_argument("--details", action="store_true", help="include every reply in the JSON")
     p.add_argument("--json", dest="json_out", default=None)

@@ -9,7 +9,7 @@ import pytest
 from app.engine.events import MemoryStats
 
 from bench import make_tasks
-from bench.eval_mt import answered, load_tasks, run_mode
+from bench.eval_mt import answered, load_tasks, pick, run_mode
 
 TASKS = Path(make_tasks.__file__).parent / "tasks"
 
@@ -43,6 +43,15 @@ def test_task_rows_without_user_or_answer_are_refused(tmp_path):
     bad.write_text(json.dumps({"id": "x", "turns": [{"user": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="'user' and 'answer'"):
         load_tasks(str(bad))
+
+
+def test_conversations_are_picked_by_id_in_file_order_then_limited():
+    tasks = [{"id": i, "turns": []} for i in ("a", "b", "c", "d")]
+    assert [t["id"] for t in pick(tasks, "d,b")] == ["b", "d"]
+    assert [t["id"] for t in pick(tasks, "d,b,c", limit=2)] == ["b", "c"]
+    assert [t["id"] for t in pick(tasks, limit=3)] == ["a", "b", "c"] and pick(tasks) == tasks
+    with pytest.raises(ValueError, match="'x'"):
+        pick(tasks, "a,x")
 
 
 class _ScriptedEngine:
