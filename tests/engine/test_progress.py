@@ -63,7 +63,7 @@ def test_eval_draws_its_running_accuracy_only_on_a_terminal(tmp_path, monkeypatc
     monkeypatch.setenv("RKV_MODEL", "bundled:qwen2.5-coder-0.5b")
     err = Terminal() if terminal else io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    args = argparse.Namespace(tasks=str(tasks), modes="full,tiered", budget=64, max_tokens=4, limit=0,
+    args = argparse.Namespace(tasks=str(tasks), modes="full,tiered", budget=64, max_tokens=4, limit=0, ids="",
                               prefill_attention=None, details=False, json_out=None, quiet=quiet)
     assert eval_mt.main(args) == 0
     result = json.loads(capsys.readouterr().out)  # stdout is the result alone, bar or not
