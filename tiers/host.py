@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 
 import torch
 
@@ -87,7 +86,7 @@ class HostTier:
             if pages <= 0 or self._can_spill():
                 return True
             # Room set aside for a job of the session's earlier turn is not this turn's to count on.
-            if pages > self._free_beside(lambda holder, _: holder == session_id):
+            if pages > self._free_beside({session_id}):
                 self.refused += 1
                 return False
             self._reserved[session_id] = (session_id, pages)
@@ -119,11 +118,11 @@ class HostTier:
 
     def _room(self, session_id: str) -> int:
         """Free slots a session's store may take: those not held for other sessions' turns."""
-        return self._free_beside(lambda _, sid: sid == session_id)
+        return self._free_beside(set(self._holders(session_id)))
 
-    def _free_beside(self, own: Callable[[str, str], bool]) -> int:
-        """Free slots not held by any holder that ``own(holder, session id)`` does not call its own."""
-        others = sum(n for holder, (sid, n) in self._reserved.items() if not own(holder, sid))
+    def _free_beside(self, own: set[str]) -> int:
+        """Free slots not held by holders other than ``own``."""
+        others = sum(n for holder, (_, n) in self._reserved.items() if holder not in own)
         return max(0, self.pool.free_count() - others)
 
     def _holders(self, session_id: str) -> list[str]:
