@@ -40,12 +40,15 @@ async def test_a_turn_on_a_copy_that_moved_on_meanwhile_is_not_acknowledged(make
     ns = f"rkvstale-{secrets.token_hex(3)}"
     a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
     try:
-        sid, token = await moved_on(a, b)
-
-        async def not_yet(session):  # b's save lands after a's check: the race a check cannot close
+        async def not_yet(*args):  # b's save lands after a's check: the race a check cannot close
             return False
 
         with monkeypatch.context() as m:
+            # a's housekeeping (every second) would let go of the stale copy on a slow machine, and the
+            # turn would then rightly restore the current state: hold it off for the race's window
+            m.setattr(a, "_drop_stale", not_yet)
+            sid, token = await moved_on(a, b)
+            assert sid in a.engine.sessions  # a still holds the copy b moved on from
             m.setattr(a.repository, "is_stale", not_yet)
             failed = (await events_of(a, sid, token, "A third.", key="k3"))[-1]
         assert isinstance(failed, TurnFailed) and failed.code == "session_moved"
