@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 PageKey = tuple[str, str]  # (session id, page id)
 # Rounds of spilling one store may try when other threads take the slots its spills freed.
 MAKE_ROOM_ROUNDS = 4
+# Longest wait of one round for another thread's store to land: only a bug could leave one unended
+# (a spill's Redis write is bounded by the client's timeout), and the store then fails as full.
+LAND_WAIT_S = 30.0
 
 
 class ChunkUnavailable(KeyError):
@@ -63,6 +66,10 @@ class HostTier:
         # ended turn): its session, and the slots it may still fill.
         self._reserved: dict[str, tuple[str, int]] = {}
         self._lock = threading.RLock()
+        # Stores between taking slots (or spilling for them) and writing their pages (under the lock): while
+        # one is, the pages that will make way for another store are its, not yet resident.
+        self._storing = 0
+        self._landed = threading.Condition(self._lock)
 
     @property
     def max_slots(self) -> int:
@@ -142,6 +149,15 @@ class HostTier:
                 got += self.pool.take(min(n - len(got), self._room(session_id)))
                 if len(got) < n and self._can_spill():
                     self._start_spill(n - len(got), protect, writes, checks)
+                    if not writes and (self._spilling or self._storing > 1):
+                        # No page can make way now: every one is another store's, spilling or about to land.
+                        # Its pages can spill once it lands; what this one holds goes back meanwhile, so
+                        # that two stores short of room never wait on each other.
+                        self.pool.give_back(got)
+                        got = []
+                        self._landed.notify_all()
+                        self._landed.wait(LAND_WAIT_S)
+                        continue
             if len(got) == n or not writes:
                 break
             written = {sid: self._write_spill(sid, pages, checks.get(sid, [])) for sid, pages in writes.items()}
@@ -160,7 +176,12 @@ class HostTier:
         return got
 
     def _full_message(self, n: int) -> str:
-        why = "no Redis to spill to" if self.redis is None else f"Redis is unavailable ({self.redis.last_error})"
+        if self.redis is None:
+            why = "no Redis to spill to"
+        elif self.redis.unavailable():
+            why = f"Redis is unavailable ({self.redis.last_error})"
+        else:
+            why = "no page in it could spill (every one is in use by stores in flight)"
         return (f"the host tier is full ({self.capacity_bytes} bytes) and {why}: "
                 f"{n} more pages of {self.page_bytes} bytes do not fit")
 
@@ -272,7 +293,17 @@ class HostTier:
         Returns how many were stored. Inference mode: pool rows written during a model step are
         inference tensors, writable only there."""
         keys = [(session_id, pid) for pid in page_ids]
-        slots = self._make_room(session_id, len(keys), set(keys), required)
+        with self._lock:
+            self._storing += 1
+        try:
+            return self._land(session_id, keys, batch, self._make_room(session_id, len(keys), set(keys), required))
+        finally:
+            with self._lock:
+                self._storing -= 1
+                self._landed.notify_all()
+
+    def _land(self, session_id: str, keys: list[PageKey], batch: PageBatch, slots: list[int]) -> int:
+        """Write the first ``len(slots)`` pages into the slots made for them; returns how many."""
         if not slots:
             return 0
         n = len(slots)
