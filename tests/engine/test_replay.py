@@ -13,10 +13,12 @@ import secrets
 
 import pytest
 
+from app.engine.engine import Engine
 from app.engine.events import TextDelta, TurnDone, TurnStatus
 from app.engine.replay import TEACHER_FORCED
 from app.engine.sampling import SamplingParams
 from app.session_restore import record, restore
+from app.settings import Settings
 from bench.haystack import hide
 from tiers.keys import kv_key
 
@@ -59,11 +61,16 @@ async def converse(engine, turns=TURNS):
     return session
 
 
-async def reference_reply(make_engine) -> str:
-    """The next reply of a session that lost nothing (no Redis, a host tier with room to spare)."""
-    engine = make_engine(**TIERED)
-    session = await converse(engine)
-    return (await engine.complete(session.id, NEXT, PARAMS)).text
+@pytest.fixture(scope="module")
+async def expected(loaded) -> str:
+    """The next reply of a session that lost nothing (no Redis, a host tier with room to spare): made once
+    for the module, the replies compared with it being deterministic."""
+    engine = Engine(Settings(**TIERED), loaded=loaded)
+    try:
+        session = await converse(engine)
+        return (await engine.complete(session.id, NEXT, PARAMS)).text
+    finally:
+        engine.close()
 
 
 async def turn(engine, session, text=NEXT):
@@ -76,9 +83,8 @@ async def turn(engine, session, text=NEXT):
     return statuses, events[-1]
 
 
-async def test_a_cancel_stops_a_replay_and_the_session_stays_whole(make_engine, lossy):
+async def test_a_cancel_stops_a_replay_and_the_session_stays_whole(lossy, expected):
     make, lose = lossy
-    expected = await reference_reply(make_engine)
     engine = make()
     session = await converse(engine)
     lose(session.id)
@@ -117,9 +123,8 @@ async def test_a_cancel_stops_a_replay_and_the_session_stays_whole(make_engine, 
     assert done.text == expected and session.lost_fed == 0 and len(session.feeds) == len(TURNS) + 1
 
 
-async def test_a_replay_reports_how_far_it_is(make_engine, lossy):
+async def test_a_replay_reports_how_far_it_is(lossy, expected):
     make, lose = lossy
-    expected = await reference_reply(make_engine)
     engine = make()
     session = await converse(engine)
     fed, feeds = session.cache.history_len, [dataclasses.replace(f) for f in session.feeds]
@@ -149,9 +154,8 @@ async def test_a_history_over_the_cap_is_prefilled_in_one_go(lossy):
     assert session.lost_fed == 0 and session.cache.history_len == sum(f.prefill + f.decodes for f in session.feeds)
 
 
-async def test_the_feed_log_goes_with_the_session_record_and_another_process_replays_it(make_engine, lossy):
+async def test_the_feed_log_goes_with_the_session_record_and_another_process_replays_it(lossy, expected):
     make, lose = lossy
-    expected = await reference_reply(make_engine)
     engine = make()
     session = await converse(engine)
     kv = await engine.persist(session.id)

@@ -18,7 +18,7 @@ from serving_helpers import RedisServer
 pytestmark = pytest.mark.slow
 FACTS = ["The pass key for the red door is 41735.", "The pass key for the green door is 52816.",
          "The pass key for the blue door is 90264."]
-FIRST = hide(FACTS, 3300, [0.1, 0.5, 0.85], seed=11) + "\n\nWhat is the pass key for the red door?"
+FIRST = hide(FACTS, 1600, [0.1, 0.5, 0.85], seed=11) + "\n\nWhat is the pass key for the red door?"
 LATER = ["What is the pass key for the green door?", "And the blue door?"]
 PARAMS = SamplingParams(max_tokens=16)
 TIGHT = 1 << 20  # the smallest host tier the settings allow: 64 pages of the bundled model
@@ -37,7 +37,6 @@ async def run(engine, stop_after_first=None):
 async def test_a_host_tier_smaller_than_one_layers_cold_history_changes_no_reply(make_engine, tmp_path):
     roomy, roomy_done = await run(make_engine())
     history = roomy_done[0].usage.prompt_tokens
-    assert history >= 4000
     one_layer_cold = (history - roomy.cache.kept_tokens()) * 3 * 64 * 2 * 4
     assert TIGHT < one_layer_cold
     # The session's log accounts for every token its cache was fed: one feed per turn.
