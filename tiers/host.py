@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 import torch
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 PageKey = tuple[str, str]  # (session id, page id)
 # Rounds of spilling one store may try when other threads take the slots its spills freed.
 MAKE_ROOM_ROUNDS = 4
-# Longest wait of one round for another thread's store to land: only a bug could leave one unended
-# (a spill's Redis write is bounded by the client's timeout), and the store then fails as full.
+# Longest a store waits, in all, for other stores in flight to land their pages so that it can spill
+# them: each spill's Redis write is bounded by the client's timeout, so only a fault lasts this long.
 LAND_WAIT_S = 30.0
 
 
@@ -57,6 +58,7 @@ class HostTier:
         self.stats = TierStats()
         self.refused = 0  # reservations refused: the turns they were for never ran
         self.exhausted = 0  # stores refused for want of a slot
+        self.waits = 0  # times a store waited for others in flight to land pages it could spill
         self._resident: OrderedDict[PageKey, int] = OrderedDict()  # pages in a slot, least recently used first
         self._spilling: dict[PageKey, int] = {}  # pages being written to Redis: their slots stay theirs until then
         self._doomed: set[PageKey] = set()  # spilling pages freed meanwhile: their Redis copy goes too
@@ -67,8 +69,10 @@ class HostTier:
         self._reserved: dict[str, tuple[str, int]] = {}
         self._lock = threading.RLock()
         # Stores between taking slots (or spilling for them) and writing their pages (under the lock): while
-        # one is, the pages that will make way for another store are its, not yet resident.
+        # one is, the pages that will make way for another store are its, not yet resident. ``_progress``
+        # counts the times slots came free or pages landed; a store that waits for that waits on ``_landed``.
         self._storing = 0
+        self._progress = 0
         self._landed = threading.Condition(self._lock)
 
     @property
@@ -113,6 +117,7 @@ class HostTier:
         held and did not fill are free for others."""
         with self._lock:
             self._reserved.pop(holder, None)
+            self._progressed()
 
     def reserved_bytes(self) -> int:
         with self._lock:
@@ -142,48 +147,76 @@ class HostTier:
         spilled to Redis (not ``protect``). Short of ``n``: ``HostFull`` when ``required``, else the
         slots it found."""
         got: list[int] = []
-        for _ in range(MAKE_ROOM_ROUNDS):
+        try:
+            short = self._fill(session_id, n, protect, required, got)
+        except BaseException:
+            with self._lock:
+                self.pool.give_back(got)
+                self._progressed()
+            raise
+        if short is not None and required:
+            with self._lock:
+                self.pool.give_back(got)
+                self.exhausted += 1
+                self._progressed()
+            raise HostFull(f"the host tier is full ({self.capacity_bytes} bytes) and {short}: "
+                           f"{n} more pages of {self.page_bytes} bytes do not fit")
+        return got
+
+    def _fill(self, session_id: str, n: int, protect: set[PageKey], required: bool, got: list[int]) -> str | None:
+        """Add slots to ``got`` (in place, so that a failure can give them back) up to ``n``; returns
+        None when it has them, else why it stopped short."""
+        rounds, deadline = 0, time.monotonic() + LAND_WAIT_S
+        while True:
             writes: dict[str, dict[str, PageBatch]] = {}
             checks: dict[str, list[str]] = {}
             with self._lock:
                 got += self.pool.take(min(n - len(got), self._room(session_id)))
-                if len(got) < n and self._can_spill():
-                    self._start_spill(n - len(got), protect, writes, checks)
-                    if not writes and (self._spilling or self._storing > 1):
-                        # No page can make way now: every one is another store's, spilling or about to land.
-                        # Its pages can spill once it lands; what this one holds goes back meanwhile, so
-                        # that two stores short of room never wait on each other.
+                if len(got) == n:
+                    return None
+                if self.redis is None:
+                    return "no Redis to spill to"
+                if not self._can_spill():
+                    return f"Redis is unavailable ({self.redis.last_error})"
+                if rounds == MAKE_ROOM_ROUNDS:
+                    return "other stores took the slots its spills freed"
+                self._start_spill(n - len(got), protect, writes, checks)
+                if not writes:
+                    # Every page that could make way is another store's, spilling or not yet landed. A
+                    # required store waits for one to land and spills its pages; a promotion (best
+                    # effort, on a reader's path) keeps what it has.
+                    if not required or not (self._spilling or self._storing > 1):
+                        held = self.pool.free_count() > 0  # free, but held for other sessions' turns
+                        return "its free slots are held for other turns" if held else "no page in it can spill"
+                    if got:  # given back, so that two stores short of room never wait on each other
                         self.pool.give_back(got)
-                        got = []
-                        self._landed.notify_all()
-                        self._landed.wait(LAND_WAIT_S)
-                        continue
-            if len(got) == n or not writes:
-                break
-            written = {sid: self._write_spill(sid, pages, checks.get(sid, [])) for sid, pages in writes.items()}
-            with self._lock:
-                freed, orphans = self._end_spill(writes, written)
-                got += freed
+                        got.clear()
+                        self._progressed()
+                    seen = self._progress
+                    self.waits += 1
+                    if not self._landed.wait_for(lambda seen=seen: self._progress != seen, deadline - time.monotonic()):
+                        return "the stores in flight did not land"
+                    continue
+            rounds += 1
+            written: dict[str, bool] = {}
+            try:
+                for sid, pages in writes.items():
+                    written[sid] = self._write_spill(sid, pages, checks.get(sid, []))
+            finally:  # a write that raised leaves its pages resident, not spilling for good
+                with self._lock:
+                    freed, orphans = self._end_spill(writes, {sid: written.get(sid, False) for sid in writes})
+                    got += freed
+                    self._progressed()
             for sid, pids in orphans.items():
                 self.redis.delete_pages(sid, pids)
             if not all(written.values()):
-                break
-        if len(got) < n and required:
-            with self._lock:
-                self.pool.give_back(got)
-                self.exhausted += 1
-            raise HostFull(self._full_message(n))
-        return got
+                return f"spilling to Redis failed ({self.redis.last_error})"
 
-    def _full_message(self, n: int) -> str:
-        if self.redis is None:
-            why = "no Redis to spill to"
-        elif self.redis.unavailable():
-            why = f"Redis is unavailable ({self.redis.last_error})"
-        else:
-            why = "no page in it could spill (every one is in use by stores in flight)"
-        return (f"the host tier is full ({self.capacity_bytes} bytes) and {why}: "
-                f"{n} more pages of {self.page_bytes} bytes do not fit")
+    def _progressed(self) -> None:
+        """Under the lock: slots came free or pages landed (resident, so they may spill): a store waiting
+        for that looks again."""
+        self._progress += 1
+        self._landed.notify_all()
 
     def _start_spill(self, k: int, protect: set[PageKey], writes: dict[str, dict[str, PageBatch]],
                      checks: dict[str, list[str]]) -> None:
@@ -300,7 +333,7 @@ class HostTier:
         finally:
             with self._lock:
                 self._storing -= 1
-                self._landed.notify_all()
+                self._progressed()
 
     def _land(self, session_id: str, keys: list[PageKey], batch: PageBatch, slots: list[int]) -> int:
         """Write the first ``len(slots)`` pages into the slots made for them; returns how many."""
@@ -380,6 +413,7 @@ class HostTier:
                     else:
                         self.pool.give_back([slot])
                     self._forget_host_page(key)
+            self._progressed()
             in_redis = self.copies.free(session_id, page_ids)
         if in_redis and self.redis is not None:
             self.redis.delete_pages(session_id, in_redis)
@@ -398,6 +432,7 @@ class HostTier:
         self.stats.bytes -= len(mine) * self.page_bytes
         for holder in self._holders(session_id):
             del self._reserved[holder]
+        self._progressed()
         return len(mine)
 
     def drop_session(self, session_id: str) -> int:

@@ -120,7 +120,7 @@ def test_redis_failing_to_take_a_spill_leaves_each_position_held_once(redis_url)
         assert host.stats.spills > 0
         put_pages = redis.put_pages
         redis.put_pages = lambda *args, **kwargs: False  # as a write that fails (timeout, connection lost)
-        with pytest.raises(HostFull, match="Redis is unavailable"):
+        with pytest.raises(HostFull, match="spilling to Redis failed"):
             cache.end_turn()
         assert_held_once(cache)
         assert not cache.broken

@@ -1,12 +1,14 @@
-"""A store into a full host tier while another thread's spill holds every page in flight waits for that
-store to land and spills its pages, instead of failing as if Redis were gone. Real Redis.
+"""Stores into a full host tier while another thread's spill holds every page in flight. Real Redis.
 
 The page reader promotes pages read back from Redis (spilling the least recently used ones) while the
-model thread demotes: with a tight host tier the promotion's spill can hold every slot at the moment the
-demotion looks for one.
+model thread demotes: with a tight host tier the first one's spill can hold every slot at the moment
+the other looks for one. A demotion then waits for that store to land and spills its pages, instead of
+failing as if Redis were gone; a promotion (best effort, on a reader's path) does not wait; a spill
+whose write raises leaves its pages resident, not spilling for good.
 """
 import secrets
 import threading
+import time
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ def host(redis_url):
     tier = RedisTier(RedisClient(redis_url, timeout_s=5.0), namespace=f"rkvtest-{secrets.token_hex(3)}")
     host = HostTier(capacity_bytes=2 * PAGE_BYTES, redis=tier)
     yield host
-    for sid in ("s", "t"):
+    for sid in ("s", "t", "u"):
         host.forget_session(sid)
         tier.delete_session(sid)
     tier.close()
@@ -52,21 +54,39 @@ def hold_next_spill(host: HostTier) -> tuple[threading.Event, threading.Event]:
 
 def in_thread(fn) -> tuple[threading.Thread, list]:
     out: list = []
-    thread = threading.Thread(target=lambda: out.append(_outcome(fn)))
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as exc:  # noqa: BLE001 - the test looks at what the thread met
+            out.append(exc)
+
+    thread = threading.Thread(target=run)
     thread.start()
     return thread, out
 
 
-def _outcome(fn):
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - the test looks at what the thread met
-        return exc
+def until(check, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def every_page_reads_back(host: HostTier, written: dict[str, dict[str, dict[str, torch.Tensor]]]) -> None:
+    for sid, by_page in written.items():
+        got, _ = host.read_many(sid, list(by_page))
+        for i, page in enumerate(by_page.values()):
+            assert torch.equal(got["keys"][i], page["keys"][0]) and torch.equal(got["values"][i], page["values"][0])
+
+
+def one(batch: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    return {k: t[i : i + 1] for k, t in batch.items()}
 
 
 @pytest.mark.parametrize("spiller", ["demotion", "promotion"])
-def test_a_store_waits_for_the_spill_in_flight_and_spills_what_it_landed(host, spiller):
-    a, b, c = pages(1, 2), pages(2, 2), pages(3, 1)
+def test_stores_wait_for_the_spill_in_flight_and_spill_what_it_landed(host, spiller):
+    a, b, c, e = pages(1, 2), pages(2, 2), pages(3, 1), pages(4, 1)
     host.put_many("s", ["a0", "a1"], a)
     if spiller == "promotion":
         host.put_many("s", ["b0", "b1"], b)  # a0 and a1 spill to Redis
@@ -78,17 +98,57 @@ def test_a_store_waits_for_the_spill_in_flight_and_spills_what_it_landed(host, s
     assert entered.wait(30)
     assert host.stats.entries == 2 and host.free_bytes() == 0  # every slot's page is being spilled
 
+    # Two demotions arrive meanwhile: both wait for the first store to land instead of failing.
     second, stored = in_thread(lambda: host.put_many("t", ["c0"], c))
-    second.join(0.3)
-    assert second.is_alive()  # it waits for the first to land instead of failing
+    third, stored_too = in_thread(lambda: host.put_many("u", ["e0"], e))
+    until(lambda: host.waits >= 2)
+    assert second.is_alive() and third.is_alive()
     go.set()
-    first.join(30)
-    second.join(30)
+    for thread in (first, second, third):
+        thread.join(30)
 
-    assert stored == [PAGE_BYTES] and not isinstance(result[0], Exception), (stored, result)
-    assert host.stats.bytes <= 2 * PAGE_BYTES and host.where("t", "c0") == "host" and host.exhausted == 0
+    assert stored == [PAGE_BYTES] and stored_too == [PAGE_BYTES] and not isinstance(result[0], Exception), result
+    assert host.stats.bytes <= 2 * PAGE_BYTES and host.exhausted == 0
+    assert host.where("t", "c0") == host.where("u", "e0") == "host"
     # Nothing was lost on the way: every page reads back as written, from whichever tier holds it.
-    got, _ = host.read_many("s", ["a0", "a1", "b0", "b1"])
-    assert torch.equal(got["keys"], torch.cat([a["keys"], b["keys"]]))
-    assert torch.equal(got["values"], torch.cat([a["values"], b["values"]]))
-    assert torch.equal(host.read_many("t", ["c0"])[0]["values"], c["values"])
+    every_page_reads_back(host, {"s": {"a0": one(a, 0), "a1": one(a, 1), "b0": one(b, 0), "b1": one(b, 1)},
+                                 "t": {"c0": c}, "u": {"e0": e}})
+
+
+def test_a_promotion_does_not_wait_for_a_spill_in_flight(host):
+    a, b, c = pages(1, 2), pages(2, 2), pages(3, 1)
+    host.put_many("s", ["a0", "a1"], a)
+    host.put_many("s", ["b0", "b1"], b)  # a0 and a1 spill to Redis
+    entered, go = hold_next_spill(host)
+    first, stored = in_thread(lambda: host.put_many("t", ["c0", "c1"], pages(3, 2)))  # b0 and b1 spill
+    try:
+        assert entered.wait(30)
+        start = time.monotonic()
+        got, from_redis = host.read_many("s", ["a0"])  # its promotion finds no page to spill: not kept
+        assert time.monotonic() - start < 2.0 and host.waits == 0
+        assert from_redis == PAGE_BYTES and torch.equal(got["keys"], one(a, 0)["keys"])
+        assert host.where("s", "a0") == "redis"
+    finally:
+        go.set()
+        first.join(30)
+    assert stored == [2 * PAGE_BYTES]
+    assert torch.equal(host.read_many("t", ["c0"])[0]["keys"], one(c, 0)["keys"])
+
+
+def test_a_spill_whose_write_raises_leaves_its_pages_resident_and_no_slot_taken(host):
+    a, b = pages(1, 2), pages(2, 2)
+    host.put_many("s", ["a0", "a1"], a)
+    put = host.redis.put_pages
+
+    def broken(session_id, batch):
+        host.redis.put_pages = put
+        raise RuntimeError("injected: the write raised")
+
+    host.redis.put_pages = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        host.put_many("t", ["b0", "b1"], b)
+    assert [host.where("s", p) for p in ("a0", "a1")] == ["host", "host"] and host.where("t", "b0") == "none"
+    assert host.stats.bytes == 2 * PAGE_BYTES and host.free_bytes() == 0  # no slot lost, none taken
+    host.put_many("t", ["b0", "b1"], b)  # the next store spills both pages: neither is stuck spilling
+    assert host.stats.spills == 2 and host.where("t", "b0") == host.where("t", "b1") == "host"
+    every_page_reads_back(host, {"s": {"a0": one(a, 0), "a1": one(a, 1)}, "t": {"b0": one(b, 0), "b1": one(b, 1)}})
