@@ -19,6 +19,7 @@ before a spill or a persist relies on it. Called by ``tiers.cold_layer`` (pages)
 from __future__ import annotations
 
 import logging
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -68,10 +69,14 @@ class HostTier:
         # ended turn): its session, and the slots it may still fill.
         self._reserved: dict[str, tuple[str, int]] = {}
         self._lock = threading.RLock()
-        # Stores between taking slots (or spilling for them) and writing their pages (under the lock): while
-        # one is, the pages that will make way for another store are its, not yet resident. ``_progress``
-        # counts the times slots came free or pages landed; a store that waits for that waits on ``_landed``.
-        self._storing = 0
+        # Stores between taking slots (or spilling for them) and writing their pages, by ticket (the oldest
+        # first): while one is, the pages that will make way for another store are its, not yet resident.
+        # ``_progress`` counts the times slots came free or pages landed; a store waits for that on
+        # ``_landed``, holding no slot unless it is the oldest (so no two waiting stores hold what the
+        # other needs), and ``_idle_waiters`` are those that hold none: they will land nothing until woken.
+        self._tickets = itertools.count()
+        self._active: set[int] = set()
+        self._idle_waiters = 0
         self._progress = 0
         self._landed = threading.Condition(self._lock)
 
@@ -142,13 +147,13 @@ class HostTier:
         return [holder for holder, (sid, _) in self._reserved.items() if sid == session_id]
 
     # --- making room -------------------------------------------------------------------------
-    def _make_room(self, session_id: str, n: int, protect: set[PageKey], required: bool) -> list[int]:
+    def _make_room(self, session_id: str, n: int, protect: set[PageKey], required: bool, ticket: int) -> list[int]:
         """``n`` slots for a session's pages: free ones first, then those of least recently used pages
         spilled to Redis (not ``protect``). Short of ``n``: ``HostFull`` when ``required``, else the
         slots it found."""
         got: list[int] = []
         try:
-            short = self._fill(session_id, n, protect, required, got)
+            short = self._fill(session_id, n, protect, required, got, ticket)
         except BaseException:
             with self._lock:
                 self.pool.give_back(got)
@@ -163,7 +168,8 @@ class HostTier:
                            f"{n} more pages of {self.page_bytes} bytes do not fit")
         return got
 
-    def _fill(self, session_id: str, n: int, protect: set[PageKey], required: bool, got: list[int]) -> str | None:
+    def _fill(self, session_id: str, n: int, protect: set[PageKey], required: bool, got: list[int], ticket: int
+              ) -> str | None:
         """Add slots to ``got`` (in place, so that a failure can give them back) up to ``n``; returns
         None when it has them, else why it stopped short."""
         rounds, deadline = 0, time.monotonic() + LAND_WAIT_S
@@ -185,16 +191,15 @@ class HostTier:
                     # Every page that could make way is another store's, spilling or not yet landed. A
                     # required store waits for one to land and spills its pages; a promotion (best
                     # effort, on a reader's path) keeps what it has.
-                    if not required or not (self._spilling or self._storing > 1):
+                    if not required or not self._others_landing(holding=True):
                         held = self.pool.free_count() > 0  # free, but held for other sessions' turns
                         return "its free slots are held for other turns" if held else "no page in it can spill"
-                    if got:  # given back, so that two stores short of room never wait on each other
+                    if got and ticket != min(self._active):  # only the oldest waits holding slots
                         self.pool.give_back(got)
                         got.clear()
                         self._progressed()
-                    seen = self._progress
-                    self.waits += 1
-                    if not self._landed.wait_for(lambda seen=seen: self._progress != seen, deadline - time.monotonic()):
+                        rounds = 0  # its spills went to others: the deadline bounds it from here
+                    if not self._wait_for_landing(bool(got), deadline):
                         return "the stores in flight did not land"
                     continue
             rounds += 1
@@ -211,6 +216,24 @@ class HostTier:
                 self.redis.delete_pages(sid, pids)
             if not all(written.values()):
                 return f"spilling to Redis failed ({self.redis.last_error})"
+
+    def _others_landing(self, holding: bool) -> bool:
+        """Under the lock: whether a store (counted among the idle waiters unless ``holding``) may yet see
+        pages land that it could spill: a spill in flight, or another store in flight not idly waiting."""
+        return bool(self._spilling) or len(self._active) - 1 - (self._idle_waiters - (not holding)) > 0
+
+    def _wait_for_landing(self, holding: bool, deadline: float) -> bool:
+        """Under the lock: wait until slots come free or pages land, or until nothing in flight could
+        land any (then the caller finds itself short); False past ``deadline``."""
+        seen = self._progress
+        self.waits += 1
+        self._idle_waiters += not holding
+        self._landed.notify_all()  # one store fewer that will land: those waiting on it look again
+        try:
+            return self._landed.wait_for(lambda: self._progress != seen or not self._others_landing(holding),
+                                         deadline - time.monotonic())
+        finally:
+            self._idle_waiters -= not holding
 
     def _progressed(self) -> None:
         """Under the lock: slots came free or pages landed (resident, so they may spill): a store waiting
@@ -327,12 +350,14 @@ class HostTier:
         inference tensors, writable only there."""
         keys = [(session_id, pid) for pid in page_ids]
         with self._lock:
-            self._storing += 1
+            ticket = next(self._tickets)
+            self._active.add(ticket)
         try:
-            return self._land(session_id, keys, batch, self._make_room(session_id, len(keys), set(keys), required))
+            return self._land(session_id, keys, batch, self._make_room(session_id, len(keys), set(keys), required,
+                                                                       ticket))
         finally:
             with self._lock:
-                self._storing -= 1
+                self._active.discard(ticket)
                 self._progressed()
 
     def _land(self, session_id: str, keys: list[PageKey], batch: PageBatch, slots: list[int]) -> int:
@@ -341,9 +366,17 @@ class HostTier:
             return 0
         n = len(slots)
         with self._lock:
-            self.pool.write(slots, {k: t[:n] for k, t in batch.items()})
+            try:
+                self.pool.write(slots, {k: t[:n] for k, t in batch.items()})
+            except BaseException:
+                self.pool.give_back(slots)
+                raise
             mine = self._pages.setdefault(session_id, set())
+            landed = 0
             for key, slot in zip(keys, slots):
+                if key in self._spilling:  # the same page, promoted by another reader and spilling since
+                    self.pool.give_back([slot])
+                    continue
                 old = self._resident.pop(key, None)
                 if old is not None:  # the same page written again: its old slot is free
                     self.pool.give_back([old])
@@ -351,9 +384,10 @@ class HostTier:
                     self.stats.bytes -= self.page_bytes
                 self._resident[key] = slot
                 mine.add(key[1])
-            self._fill_reserved(session_id, n)
-            self.stats.entries += n
-            self.stats.bytes += n * self.page_bytes
+                landed += 1
+            self._fill_reserved(session_id, landed)
+            self.stats.entries += landed
+            self.stats.bytes += landed * self.page_bytes
         return n
 
     @torch.inference_mode()

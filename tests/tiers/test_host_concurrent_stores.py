@@ -6,6 +6,7 @@ the other looks for one. A demotion then waits for that store to land and spills
 failing as if Redis were gone; a promotion (best effort, on a reader's path) does not wait; a spill
 whose write raises leaves its pages resident, not spilling for good.
 """
+import random
 import secrets
 import threading
 import time
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tiers.host import HostTier
+from tiers.host import HostFull, HostTier
 from tiers.redis_client import RedisClient
 from tiers.redis_tier import RedisTier
 
@@ -31,7 +32,7 @@ def host(redis_url):
     tier = RedisTier(RedisClient(redis_url, timeout_s=5.0), namespace=f"rkvtest-{secrets.token_hex(3)}")
     host = HostTier(capacity_bytes=2 * PAGE_BYTES, redis=tier)
     yield host
-    for sid in ("s", "t", "u"):
+    for sid in ("s", "t", "u", "warm", "w0", "w1", "w2"):
         host.forget_session(sid)
         tier.delete_session(sid)
     tier.close()
@@ -152,3 +153,73 @@ def test_a_spill_whose_write_raises_leaves_its_pages_resident_and_no_slot_taken(
     host.put_many("t", ["b0", "b1"], b)  # the next store spills both pages: neither is stuck spilling
     assert host.stats.spills == 2 and host.where("t", "b0") == host.where("t", "b1") == "host"
     every_page_reads_back(host, {"s": {"a0": one(a, 0), "a1": one(a, 1)}, "t": {"b0": one(b, 0), "b1": one(b, 1)}})
+
+
+def test_stores_that_nothing_in_flight_can_make_room_for_fail_at_once(host, monkeypatch):
+    host.put_many("warm", ["x"], pages(0, 1))  # the pool takes its page shape from a first page
+    host.free_many("warm", ["x"])
+    with monkeypatch.context() as m:  # a turn held a slot while Redis was down: one of two is free
+        m.setattr(host.redis, "unavailable", lambda *a: True)
+        assert host.reserve("c", 1) and host.reserved_bytes() == PAGE_BYTES
+    start = time.monotonic()
+    threads = [in_thread(lambda i=i: host.put_many(f"w{i}", ["p0", "p1"], pages(i, 2))) for i in range(3)]
+    for thread, _ in threads:
+        thread.join(30)
+    # Each needs two slots, one is free and no page could spill: each is refused, none waits for another.
+    assert all(isinstance(out[0], HostFull) and "held for other turns" in str(out[0]) for _, out in threads)
+    assert time.monotonic() - start < 5 and host.exhausted == 3
+    host.release("c")
+    assert host.free_bytes() == 2 * PAGE_BYTES and host.stats.bytes == 0
+
+
+def test_readers_and_writers_at_once_keep_every_page_and_every_slot(host):
+    """Three writers (store, read back, free) and two readers of one shared session on a two-slot tier
+    for two seconds: every read gives the bytes written, no store is refused while Redis is healthy,
+    and at the end every slot is free or holds a resident page."""
+    stop, problems = threading.Event(), []
+    shared = {f"sh{i}": 10_000 + i for i in range(3)}
+    host.put_many("s", list(shared), _stack(shared))
+
+    def check(sid, seeds):
+        got, _ = host.read_many(sid, list(seeds))
+        want = _stack(seeds)
+        if not all(torch.equal(got[k], want[k]) for k in want):
+            problems.append(f"wrong bytes read back for {sid}")
+
+    def writer(i):
+        rnd, live, n = random.Random(i), {}, 0
+        while not stop.is_set():
+            r = rnd.random()
+            if r < 0.35 or not live:
+                new = {f"{i}-{n + j}": i * 1_000_000 + n + j for j in range(rnd.randint(1, 2))}
+                n += len(new)
+                host.put_many(f"w{i}", list(new), _stack(new))
+                live.update(new)
+            elif r < 0.75:
+                check(f"w{i}", {p: live[p] for p in rnd.sample(sorted(live), min(len(live), rnd.randint(1, 3)))})
+            else:
+                gone = rnd.sample(sorted(live), 1)
+                host.free_many(f"w{i}", gone)
+                del live[gone[0]]
+        host.free_many(f"w{i}", list(live))
+
+    def reader(i):
+        rnd = random.Random(100 + i)
+        while not stop.is_set():
+            check("s", {p: shared[p] for p in rnd.sample(sorted(shared), rnd.randint(1, len(shared)))})
+
+    threads = [in_thread(lambda i=i: writer(i)) for i in range(3)] + [in_thread(lambda i=i: reader(i)) for i in range(2)]
+    time.sleep(2)
+    stop.set()
+    for thread, _ in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread, _ in threads)
+    assert [out for _, out in threads] == [[None]] * 5 and problems == []  # nothing raised, HostFull included
+    assert host.exhausted == 0 and host.stats.bytes <= host.capacity_bytes
+    host.free_many("s", list(shared))
+    assert host.stats.bytes == 0 and host.free_bytes() == host.capacity_bytes  # no slot lost
+
+
+def _stack(seeds: dict[str, int]) -> dict[str, torch.Tensor]:
+    ps = [pages(seed, 1) for seed in seeds.values()]
+    return {k: torch.cat([p[k] for p in ps]) for k in ps[0]}
