@@ -33,7 +33,7 @@ from tiers.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 PageKey = tuple[str, str]  # (session id, page id)
-# Rounds of spilling one store may try when other threads take the slots its spills freed.
+# Spills in a row that free no slot (their writes landed nothing, or the pages went meanwhile) a store may try.
 MAKE_ROOM_ROUNDS = 4
 # Longest a store waits, in all, for other stores in flight to land their pages so that it can spill
 # them: each spill's Redis write is bounded by the client's timeout, so only a fault lasts this long.
@@ -173,6 +173,7 @@ class HostTier:
         """Add slots to ``got`` (in place, so that a failure can give them back) up to ``n``; returns
         None when it has them, else why it stopped short."""
         rounds, deadline = 0, time.monotonic() + LAND_WAIT_S
+        spilled_for = 0  # slots in ``got`` that its own spills freed: news to other stores when given back
         while True:
             writes: dict[str, dict[str, PageBatch]] = {}
             checks: dict[str, list[str]] = {}
@@ -185,7 +186,7 @@ class HostTier:
                 if not self._can_spill():
                     return f"Redis is unavailable ({self.redis.last_error})"
                 if rounds == MAKE_ROOM_ROUNDS:
-                    return "other stores took the slots its spills freed"
+                    return "its spills freed no slot"
                 self._start_spill(n - len(got), protect, writes, checks)
                 if not writes:
                     # Every page that could make way is another store's, spilling or not yet landed. A
@@ -197,12 +198,12 @@ class HostTier:
                     if got and ticket != min(self._active):  # only the oldest waits holding slots
                         self.pool.give_back(got)
                         got.clear()
-                        self._progressed()
-                        rounds = 0  # its spills went to others: the deadline bounds it from here
+                        if spilled_for:  # slots taken from the free list were there for the others already
+                            self._progressed()
+                        spilled_for = 0
                     if not self._wait_for_landing(bool(got), deadline):
                         return "the stores in flight did not land"
                     continue
-            rounds += 1
             written: dict[str, bool] = {}
             try:
                 for sid, pages in writes.items():
@@ -211,6 +212,8 @@ class HostTier:
                 with self._lock:
                     freed, orphans = self._end_spill(writes, {sid: written.get(sid, False) for sid in writes})
                     got += freed
+                    spilled_for += len(freed)
+                    rounds = 0 if freed else rounds + 1
                     self._progressed()
             for sid, pids in orphans.items():
                 self.redis.delete_pages(sid, pids)
@@ -353,15 +356,17 @@ class HostTier:
             ticket = next(self._tickets)
             self._active.add(ticket)
         try:
-            return self._land(session_id, keys, batch, self._make_room(session_id, len(keys), set(keys), required,
-                                                                       ticket))
+            slots = self._make_room(session_id, len(keys), set(keys), required, ticket)
+            return self._land(session_id, keys, batch, slots, promoted=not required)
         finally:
             with self._lock:
                 self._active.discard(ticket)
                 self._progressed()
 
-    def _land(self, session_id: str, keys: list[PageKey], batch: PageBatch, slots: list[int]) -> int:
-        """Write the first ``len(slots)`` pages into the slots made for them; returns how many."""
+    def _land(self, session_id: str, keys: list[PageKey], batch: PageBatch, slots: list[int], promoted: bool) -> int:
+        """Write the first ``len(slots)`` pages into the slots made for them; returns how many it tried.
+        A page already spilling (another reader promoted it too) is skipped, and so is a ``promoted`` page
+        (read back from Redis) that was freed while it was read: it must not come back."""
         if not slots:
             return 0
         n = len(slots)
@@ -374,7 +379,7 @@ class HostTier:
             mine = self._pages.setdefault(session_id, set())
             landed = 0
             for key, slot in zip(keys, slots):
-                if key in self._spilling:  # the same page, promoted by another reader and spilling since
+                if key in self._spilling or (promoted and not self.copies.holds(*key)):
                     self.pool.give_back([slot])
                     continue
                 old = self._resident.pop(key, None)
@@ -426,9 +431,12 @@ class HostTier:
             with self._lock:
                 self.stats.misses += len(misses)
                 self.stats.promotions += len(misses)
+                kept = [i for i in misses if self.copies.holds(*keys[i])]  # not those freed while read
             # Best effort: a page that finds no room stays in Redis only.
-            self._store(session_id, [keys[i][1] for i in misses], {n: t.index_select(0, at) for n, t in out.items()},
-                        required=False)
+            if kept:
+                at = torch.tensor(kept, dtype=torch.long)
+                self._store(session_id, [keys[i][1] for i in kept], {n: t.index_select(0, at) for n, t in out.items()},
+                            required=False)
         with self._lock:
             self.stats.bytes_read += len(keys) * self.page_bytes
         return out, len(misses) * self.page_bytes

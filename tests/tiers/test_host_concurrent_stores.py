@@ -223,3 +223,27 @@ def test_readers_and_writers_at_once_keep_every_page_and_every_slot(host):
 def _stack(seeds: dict[str, int]) -> dict[str, torch.Tensor]:
     ps = [pages(seed, 1) for seed in seeds.values()]
     return {k: torch.cat([p[k] for p in ps]) for k in ps[0]}
+
+
+def test_a_page_freed_while_a_reader_reads_it_back_does_not_come_back(host):
+    a, b = pages(1, 2), pages(2, 2)
+    host.put_many("s", ["a0", "a1"], a)
+    host.put_many("t", ["b0", "b1"], b)  # a0 and a1 spill to Redis
+    entered, go = threading.Event(), threading.Event()
+    get = host.redis.get_pages
+
+    def held(session_id, page_ids):  # read, and not yet promoted, when the free comes
+        fetched = get(session_id, page_ids)
+        entered.set()
+        assert go.wait(30)
+        return fetched
+
+    host.redis.get_pages = held
+    reader, got = in_thread(lambda: host.read_many("s", ["a0"]))
+    assert entered.wait(30)
+    host.free_many("s", ["a0"])  # the session let go of the page meanwhile
+    go.set()
+    reader.join(30)
+    assert torch.equal(got[0][0]["keys"], one(a, 0)["keys"])  # the read itself is answered
+    assert host.where("s", "a0") == "none" and host.stats.bytes == 2 * PAGE_BYTES  # its promotion is not kept
+    assert [host.where("t", p) for p in ("b0", "b1")] == ["host", "host"]  # nor made room for
