@@ -19,7 +19,6 @@ before a spill or a persist relies on it. Called by ``tiers.cold_layer`` (pages)
 from __future__ import annotations
 
 import logging
-import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -30,6 +29,7 @@ from tiers.base import PageBatch, TierStats
 from tiers.host_pool import HostPool
 from tiers.redis_copies import Collected, RedisCopies
 from tiers.redis_tier import RedisTier
+from tiers.store_order import StoreOrder
 
 log = logging.getLogger(__name__)
 PageKey = tuple[str, str]  # (session id, page id)
@@ -59,7 +59,6 @@ class HostTier:
         self.stats = TierStats()
         self.refused = 0  # reservations refused: the turns they were for never ran
         self.exhausted = 0  # stores refused for want of a slot
-        self.waits = 0  # times a store waited for others in flight to land pages it could spill
         self._resident: OrderedDict[PageKey, int] = OrderedDict()  # pages in a slot, least recently used first
         self._spilling: dict[PageKey, int] = {}  # pages being written to Redis: their slots stay theirs until then
         self._doomed: set[PageKey] = set()  # spilling pages freed meanwhile: their Redis copy goes too
@@ -69,16 +68,14 @@ class HostTier:
         # ended turn): its session, and the slots it may still fill.
         self._reserved: dict[str, tuple[str, int]] = {}
         self._lock = threading.RLock()
-        # Stores between taking slots (or spilling for them) and writing their pages, by ticket (the oldest
-        # first): while one is, the pages that will make way for another store are its, not yet resident.
-        # ``_progress`` counts the times slots came free or pages landed; a store waits for that on
-        # ``_landed``, holding no slot unless it is the oldest (so no two waiting stores hold what the
-        # other needs), and ``_idle_waiters`` are those that hold none: they will land nothing until woken.
-        self._tickets = itertools.count()
-        self._active: set[int] = set()
-        self._idle_waiters = 0
-        self._progress = 0
-        self._landed = threading.Condition(self._lock)
+        # Stores between taking slots (or spilling for them) and writing their pages: while one is, the
+        # pages that will make way for another store are its, not yet resident.
+        self._order = StoreOrder(self._lock)
+
+    @property
+    def waits(self) -> int:
+        """Times a store waited for others in flight to land pages it could spill."""
+        return self._order.waits
 
     @property
     def max_slots(self) -> int:
@@ -192,16 +189,16 @@ class HostTier:
                     # Every page that could make way is another store's, spilling or not yet landed. A
                     # required store waits for one to land and spills its pages; a promotion (best
                     # effort, on a reader's path) keeps what it has.
-                    if not required or not self._others_landing(holding=True):
+                    if not required or not self._order.others_landing(bool(self._spilling), holding=True):
                         held = self.pool.free_count() > 0  # free, but held for other sessions' turns
                         return "its free slots are held for other turns" if held else "no page in it can spill"
-                    if got and ticket != min(self._active):  # only the oldest waits holding slots
+                    if got and not self._order.oldest(ticket):  # only the oldest waits holding slots
                         self.pool.give_back(got)
                         got.clear()
                         if spilled_for:  # slots taken from the free list were there for the others already
                             self._progressed()
                         spilled_for = 0
-                    if not self._wait_for_landing(bool(got), deadline):
+                    if not self._order.wait(bool(got), deadline, lambda: bool(self._spilling)):
                         return "the stores in flight did not land"
                     continue
             written: dict[str, bool] = {}
@@ -220,29 +217,9 @@ class HostTier:
             if not all(written.values()):
                 return f"spilling to Redis failed ({self.redis.last_error})"
 
-    def _others_landing(self, holding: bool) -> bool:
-        """Under the lock: whether a store (counted among the idle waiters unless ``holding``) may yet see
-        pages land that it could spill: a spill in flight, or another store in flight not idly waiting."""
-        return bool(self._spilling) or len(self._active) - 1 - (self._idle_waiters - (not holding)) > 0
-
-    def _wait_for_landing(self, holding: bool, deadline: float) -> bool:
-        """Under the lock: wait until slots come free or pages land, or until nothing in flight could
-        land any (then the caller finds itself short); False past ``deadline``."""
-        seen = self._progress
-        self.waits += 1
-        self._idle_waiters += not holding
-        self._landed.notify_all()  # one store fewer that will land: those waiting on it look again
-        try:
-            return self._landed.wait_for(lambda: self._progress != seen or not self._others_landing(holding),
-                                         deadline - time.monotonic())
-        finally:
-            self._idle_waiters -= not holding
-
     def _progressed(self) -> None:
-        """Under the lock: slots came free or pages landed (resident, so they may spill): a store waiting
-        for that looks again."""
-        self._progress += 1
-        self._landed.notify_all()
+        """Under the lock: slots came free or pages landed (resident, so they may spill)."""
+        self._order.progressed()
 
     def _start_spill(self, k: int, protect: set[PageKey], writes: dict[str, dict[str, PageBatch]],
                      checks: dict[str, list[str]]) -> None:
@@ -353,15 +330,13 @@ class HostTier:
         inference tensors, writable only there."""
         keys = [(session_id, pid) for pid in page_ids]
         with self._lock:
-            ticket = next(self._tickets)
-            self._active.add(ticket)
+            ticket = self._order.begin()
         try:
             slots = self._make_room(session_id, len(keys), set(keys), required, ticket)
             return self._land(session_id, keys, batch, slots, promoted=not required)
         finally:
             with self._lock:
-                self._active.discard(ticket)
-                self._progressed()
+                self._order.end(ticket)
 
     def _land(self, session_id: str, keys: list[PageKey], batch: PageBatch, slots: list[int], promoted: bool) -> int:
         """Write the first ``len(slots)`` pages into the slots made for them; returns how many it tried.
