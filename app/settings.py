@@ -120,7 +120,7 @@ class Settings(BaseSettings):
         "window (`digest`) or every cold page (`exhaustive`) before Stage 1 re-selects.",
     )
     digest_candidates: float = Field(
-        0.5, gt=0, le=64, description="Tiered `digest` turns read this many cold tokens' worth of pages per KV "
+        1.0, gt=0, le=64, description="Tiered `digest` turns read this many cold tokens' worth of pages per KV "
         "head and layer, as a fraction of the turn's prompt budget."
     )
     page_grouping: Literal["keys", "position"] = Field(
@@ -134,7 +134,7 @@ class Settings(BaseSettings):
         "holding what it keeps; without one it ranks pages by their key bounds."
     )
     sketch_pool: float = Field(
-        9.0, ge=1, le=1024, description="Tiered `digest` mode with a key sketch: the pages whose sketches a turn "
+        4.5, ge=1, le=1024, description="Tiered `digest` mode with a key sketch: the pages whose sketches a turn "
         "reads, as a multiple of the pages it fetches (those whose key bounds rank highest). A pool that holds "
         "every cold page is decoded for layer l+1 while layer l computes."
     )
@@ -144,7 +144,7 @@ class Settings(BaseSettings):
         "token also keeps a value sketch)."
     )
     digest_read_whole: float = Field(
-        3.0, ge=0, le=1024, description="Tiered `digest` mode: a layer whose cold pages are at most this many times "
+        1.5, ge=0, le=1024, description="Tiered `digest` mode: a layer whose cold pages are at most this many times "
         "those a turn reads (`digest_candidates`) is read whole, as `exhaustive` reads it, and its selection applied "
         "at once (0: never): ranking so few pages costs more than it saves, and the turn's device bound is smaller."
     )

@@ -36,12 +36,12 @@ class TierPolicy:
     page_tokens: int = 32
     prefill_attention: Literal["dense", "selected"] = "dense"
     reselect: Literal["digest", "exhaustive"] = "digest"
-    candidates: float = 0.5
+    candidates: float = 1.0
     page_grouping: Literal["keys", "position"] = "position"
     sketch_bits: int = 4
-    sketch_pool: float = 9.0
+    sketch_pool: float = 4.5
     standin: bool = True
-    read_whole: float = 3.0
+    read_whole: float = 1.5
     codec: PageCodec = field(default_factory=RawCodec)
 
     @property
