@@ -32,6 +32,13 @@ if TYPE_CHECKING:
     from app.engine.session import Feed, Session
 
 
+def parked_cold_pages(state: dict) -> int | None:
+    """The most live cold pages a KV head had in a layer when the session was parked, as its KV record
+    says (``SessionCache.persist``); None where the record does not say (one written before it did)."""
+    pages = state.get("cold_pages")
+    return pages if type(pages) is int and pages >= 0 else None
+
+
 class DeviceMemory:
     def __init__(self, budget: int, spec: CacheSpec, tiers: TierPolicy | None = None, layered: bool = True):
         self.budget = int(budget or 0)  # 0: unlimited (still accounted)
@@ -66,6 +73,7 @@ class DeviceMemory:
         elif session.parked_kv is not None:  # restored from its record at the turn's start
             fed = int(session.parked_kv.get("history_len", 0))
             kept = session.turns[-1].kept_tokens if session.turns else fed
+            cold_pages = parked_cold_pages(session.parked_kv)
         else:  # rebuilt from the token ids: the whole history is prefilled
             fed, kept, cold_pages = 0, 0, 0
         return self._size(session, fed, kept, cold_pages, len(session.token_ids) + n_new - fed, max_new, prefill_chunk)

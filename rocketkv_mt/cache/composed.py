@@ -250,7 +250,9 @@ class ComposedCache:
             raise RuntimeError("a prefill is under way; persist after it")
         self.select_pending()
         state = self.prefill.persist()
-        return None if state is None else {"history_len": self.history_len, **state}
+        # ``cold_pages`` lets a parked session's next turn be bounded as tightly as a resident one's
+        # (``app.engine.memory``): without it the bound assumes the most pages the history could fill.
+        return None if state is None else {"history_len": self.history_len, "cold_pages": self.cold_pages(), **state}
 
     def _usable(self) -> None:
         if self.broken:

@@ -140,7 +140,8 @@ async def test_parked_tiered_session_comes_back_from_redis_without_reprefill(mak
     # The largest budget that admits b's first turn only once a is parked; a's next turn (which reads
     # its cold pages back) must then fit on its own.
     budget = ra.cache.device_bytes() + bound_of_first_turn(ref, "tiered", text_b) - 1
-    assert ref.memory_account.turn_bound(ra, follow_up, PARAMS.max_tokens) <= budget
+    resident_bound = ref.memory_account.turn_bound(ra, follow_up, PARAMS.max_tokens)
+    assert resident_bound <= budget
     engine = make_engine(
         mode="tiered", prefill_chunk=0, device_budget_bytes=budget, redis_url=redis_url, redis_namespace=namespace
     )
@@ -149,6 +150,8 @@ async def test_parked_tiered_session_comes_back_from_redis_without_reprefill(mak
         await engine.complete(a.id, text_a, PARAMS)
         await engine.complete(b.id, text_b, PARAMS)
         assert a.cache is None and engine.memory_account.parks == 1
+        # Its KV record says how many cold pages it has: its next turn is bounded as when it was resident.
+        assert engine.memory_account.turn_bound(a, follow_up, PARAMS.max_tokens) == resident_bound
         done = await engine.complete(a.id, "Say that again.", PARAMS)
         expected = await ref.complete(ra.id, "Say that again.", PARAMS)
         assert done.text == expected.text
