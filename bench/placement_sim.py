@@ -112,12 +112,14 @@ class SimReplica(DeviceResidency):
         return self._sessions
 
     def _park(self, session: Session) -> None:
-        """As the engine parks: the cache leaves the device; a ``tiered`` one's KV stays in Redis."""
+        """As the engine parks: the cache leaves the device; a ``tiered`` one's KV stays in Redis, its
+        record naming the history's length and its cold pages (``SessionCache.persist``)."""
+        cold = session.cache.cold_pages()
         self.memory_account.take_cache(session)
         self.memory_account.parks += 1
         self.sim.counts.parks += 1
         tiered = session.mode == "tiered"
-        session.parked_kv = {"history_len": len(session.token_ids)} if tiered else None
+        session.parked_kv = {"history_len": len(session.token_ids), "cold_pages": cold} if tiered else None
         if tiered and self.sim.cfg.moves:  # let it go: its next turn is placed again, by room
             self.sim.release(self, session.id)
 
@@ -200,7 +202,8 @@ class Simulation:
         if chat.history == 0:
             session.cache = StandInCache()
         elif chat.conv.mode == "tiered":
-            session.parked_kv = {"history_len": chat.history}
+            session.parked_kv = {"history_len": chat.history,
+                                 "cold_pages": math.ceil((chat.history - chat.kept) / self.tiers.page_tokens)}
             session.turns.append(TurnStats(0, 0, kept_tokens=chat.kept))
         replica.sessions[session.id] = session
         return session

@@ -32,7 +32,7 @@ class TurnSize:
     values of one token over all layers / in one layer. chunked: the prefill is fed in chunks, so
     its new tokens sit in every layer until the last chunk (``SessionCache.undo_chunks``).
     cold_pages: the most live cold pages a KV head has in a layer (``SessionCache.cold_pages``), None
-    when not known before the turn (a cache restored at its start)."""
+    when not known before the turn (a cache restored at its start from a record that does not say)."""
 
     fed: int
     kept: int

@@ -12,8 +12,9 @@ from rocketkv_mt.cache import CACHE_MODES, TierPolicy, cache_mode, make_cache
 from rocketkv_mt.config import RocketKVConfig
 
 TIER_POLICIES = {
-    "digest": TierPolicy(page_tokens=8, reselect="digest", candidates=0.5),
-    "ranked": TierPolicy(page_tokens=8, reselect="digest", candidates=0.5, read_whole=0),  # never read whole
+    "digest": TierPolicy(page_tokens=8, reselect="digest"),  # the shipped candidates, pool and whole reads
+    "ranked": TierPolicy(page_tokens=8, reselect="digest", read_whole=0),  # never read whole
+    "half-reads": TierPolicy(page_tokens=8, reselect="digest", candidates=0.5, sketch_pool=9.0, read_whole=3.0),
     "bounds": TierPolicy(page_tokens=8, reselect="digest", page_grouping="keys", sketch_bits=0, read_whole=0),
     "exhaustive": TierPolicy(page_tokens=8, reselect="exhaustive"),
     "selected": TierPolicy(page_tokens=8, prefill_attention="selected"),

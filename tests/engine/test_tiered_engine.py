@@ -81,7 +81,7 @@ async def test_a_sketch_decoded_ahead_on_the_page_reader_gives_the_same_turns(ma
 
 
 async def test_a_small_cold_set_is_read_whole_as_exhaustive_reads_it(make_engine):
-    # ~700 tokens at budget 128: in the second turn every layer's cold pages are within 3 times those a
+    # ~700 tokens at budget 128: in the second turn every layer's cold pages are within 1.5 times those a
     # digest turn reads, so it reads them all and applies its selection at once, as exhaustive does.
     turns = {}
     for name, settings in {"whole": {}, "exhaustive": {"reselect": "exhaustive"}, "ranked": {"digest_read_whole": 0}}.items():
