@@ -202,8 +202,7 @@ class Simulation:
         if chat.history == 0:
             session.cache = StandInCache()
         elif chat.conv.mode == "tiered":
-            session.parked_kv = {"history_len": chat.history,
-                                 "cold_pages": math.ceil((chat.history - chat.kept) / self.tiers.page_tokens)}
+            session.parked_kv = {"history_len": chat.history, "cold_pages": self._cold_pages(chat.history, chat.kept)}
             session.turns.append(TurnStats(0, 0, kept_tokens=chat.kept))
         replica.sessions[session.id] = session
         return session
@@ -255,13 +254,17 @@ class Simulation:
         duration = prefill / self.cfg.prefill_tps + turn.reply / self.cfg.decode_tps
         self._at(self.now + duration, self._end, replica, chat, session, size)
 
+    def _cold_pages(self, history: int, kept: int) -> int:
+        """A ``tiered`` session's cold pages once it keeps ``kept`` of ``history`` tokens on the device."""
+        return math.ceil((history - kept) / self.tiers.page_tokens)
+
     def _end(self, replica: SimReplica, chat: Chat, session: Session, size: TurnSize) -> None:
         turn = chat.conv.turns[chat.next_turn]
         mem = replica.memory_account
         history = size.fed + size.new + turn.reply
         kept = history if session.mode == "full" else min(size.fed + size.new, size.split.prompt_budget) + turn.reply
         nbytes = size.token_bytes * kept + cache_mode(session.mode).decode.bound(size, kept)
-        cold = math.ceil((history - kept) / self.tiers.page_tokens) if session.mode == "tiered" else 0
+        cold = self._cold_pages(history, kept) if session.mode == "tiered" else 0
         session.cache = StandInCache(history, kept, cold, nbytes)
         session.token_ids = range(history)
         session.turns.append(TurnStats(0, 0, kept_tokens=kept))
