@@ -40,13 +40,13 @@ test: lint
 serve: setup
 	$(VENV)/bin/rocketkv-mt serve --host 127.0.0.1 --port 8000
 
-# On a CUDA machine (README: GPU check): kernel tests compiled for CUDA, bench e2e at 32k and 128k,
+# On a CUDA machine (docs/gpu-check.md): kernel tests compiled for CUDA, bench e2e at 32k and 128k,
 # pinned copy bandwidth, a tiered conversation with Redis; results in results/gpu/, a summary printed.
 gpu-check: setup
 	env -u TRITON_INTERPRET $(PY) -m bench.gpu_check --out results/gpu
 
 # A lent GPU machine reaches no registry: the wheels and the Redis server the check needs there, in .gpu/
-# (README: GPU check); fails when the tree and the bundle together pass 60 MiB.
+# (docs/gpu-check.md); fails when the tree and the bundle together pass 60 MiB.
 gpu-bundle: setup
 	$(PY) -m bench.gpu_bundle --out .gpu
 

@@ -21,6 +21,8 @@ STATUS = {
     "session_busy": 409,
     "history_mismatch": 409,
     "session_moved": 409,
+    "session_diverged": 409,
+    "quota_exceeded": 429,
     "replica_unavailable": 503,
     "device_memory_exhausted": 503,
     "host_memory_exhausted": 503,

@@ -35,7 +35,8 @@ DIRECTIONS = {
 # Error codes that refuse work the request was entitled to ask for (a limit or a lack of room), by cause.
 REFUSALS = ("device_memory_exhausted", "host_memory_exhausted", "too_many_sessions", "rate_limited", "session_busy",
             "context_length_exceeded", "message_too_large", "max_tokens_too_large", "request_too_large",
-            "replica_unavailable")
+            "replica_unavailable", "quota_exceeded")
+DURABILITY = ("none", "memory", "fsync", "replicated")
 # Page moves of the tiers (``tiers.base.TierStats``), by kind.
 PAGE_MOVES = ("promotions", "demotions", "spills")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -75,6 +76,12 @@ class _ServiceCollector(Collector):
         parked = CounterMetricFamily("rkv_sessions_parked", "Idle sessions whose cache left the device to make room.")
         parked.add_metric([], s.get("sessions_parked_total", 0))
         yield parked
+        losses = CounterMetricFamily("rkv_store_losses", "Saves Redis was found to have lost: saved back from a "
+                                     "replica's copy (`behind`), or reported to the session's caller because another "
+                                     "replica went on from the older state (`diverged`).", labels=["kind"])
+        losses.add_metric(["behind"], s.get("store_losses", 0))
+        losses.add_metric(["diverged"], s.get("divergences", 0))
+        yield losses
         replicas = GaugeMetricFamily("rkv_replicas", "Chat replicas reporting.")
         replicas.add_metric([], s.get("replicas", 1))
         yield replicas
@@ -97,6 +104,9 @@ class Metrics:
                              registry=r)
         self.digests = Counter("rkv_turn_digest_read_bytes", "Cold page digest and sketch bytes turns scored.",
                                registry=r)
+        self.saves = Counter("rkv_turn_saves", "Finished turns by what their save gave: none (kept in memory), "
+                             "memory, fsync or replicated (README: What a client can rely on).", ["durability"],
+                             registry=r)
         self.errors = Counter("rkv_errors", "Errors returned, by code.", ["code"], registry=r)
         self.refusals = Counter("rkv_refusals", "Requests refused for a limit or a lack of room, by cause "
                                 "(their error code).", ["cause"], registry=r)
@@ -124,6 +134,8 @@ class Metrics:
             self.moved.labels(direction)
         for cause in REFUSALS:
             self.refusals.labels(cause)
+        for durability in DURABILITY:
+            self.saves.labels(durability)
         self._recent: deque[tuple[float, int]] = deque()
         self._service = _ServiceCollector()
         r.register(self._service)
@@ -156,6 +168,8 @@ class Metrics:
             for direction, of in DIRECTIONS.items():
                 self.moved.labels(direction).inc(max(0, of(memory)))
             self.digests.inc(memory.get("digest_bytes_read") or 0)
+            if event.get("storage"):
+                self.saves.labels(event["storage"]["durability"]).inc()
             self._held(event.get("memory_map"))
             latency, ttft = event.get("latency_ms", 0.0) / 1000, event.get("ttft_ms", 0.0) / 1000
             self.latency.observe(latency)

@@ -7,7 +7,8 @@ session's stored history, role for role and content for content; then only the l
 is prefilled. A history that does not match answers 409 ``history_mismatch`` and leaves the
 session alone: silently starting over would hide a client bug and cost a full prefill.
 Responses carry ``x-session-id``/``x-session-token`` (to continue) and ``x-replica``;
-``usage.prefilled_tokens`` says how many prompt tokens were actually prefilled. A request sent
+``usage.prefilled_tokens`` says how many prompt tokens were actually prefilled, and ``storage`` what the
+turn's save gave (saved, durable: README, "What a client can rely on"). A request sent
 again with the same ``Idempotency-Key`` header (and ``x-session-id``) gets the finished turn's
 answer instead of running it a second time.
 """
@@ -141,6 +142,7 @@ async def _collect(events, metrics: Metrics, cid: str, model: str, session_id: s
                 usage=_usage(event),
                 session_id=session_id,
                 replica=event["replica"],
+                storage=event.get("storage"),
             )
             return JSONResponse(completion.model_dump(), headers=headers)
     raise ApiError("internal_error", "the turn ended without a result")
@@ -154,9 +156,10 @@ def _data(obj: Any) -> str:
 async def _sse(events, metrics: Metrics, cid: str, model: str, include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(delta: ChunkDelta, finish: str | None = None, usage: CompletionUsage | None = None, choices=True):
+    def chunk(delta: ChunkDelta, finish: str | None = None, usage: CompletionUsage | None = None, choices=True,
+              storage=None):
         return ChatCompletionChunk(
-            id=cid, created=created, model=model, usage=usage,
+            id=cid, created=created, model=model, usage=usage, storage=storage,
             choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [],
         )
 
@@ -169,7 +172,7 @@ async def _sse(events, metrics: Metrics, cid: str, model: str, include_usage: bo
             elif event["type"] == "error":
                 yield _data({"error": {"code": event["code"], "message": event["message"]}})
             elif event["type"] == "done":
-                yield _data(chunk(ChunkDelta(), _finish_reason(event["finish_reason"])))
+                yield _data(chunk(ChunkDelta(), _finish_reason(event["finish_reason"]), storage=event.get("storage")))
                 if include_usage:
                     yield _data(chunk(ChunkDelta(), usage=_usage(event), choices=False))
         yield "data: [DONE]\n\n"

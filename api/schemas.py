@@ -20,7 +20,8 @@ server → client
   ``delta``    {text}
   ``done``     {finish_reason, usage{prompt_tokens, prefilled_tokens, generated_tokens},
                 memory{device_bytes, host_bytes, redis_bytes, readmitted_tokens, ...}, replica,
-                memory_map{device, host, redis, readmitted, ...} (docs/observability.md), ...}
+                memory_map{device, host, redis, readmitted, ...} (docs/observability.md),
+                storage{saved, durable, durability, replicas} (what the turn's save gave), ...}
   ``error``    {code, message}; the connection stays open, except after ``unauthorized``
                (closed with code 4401).
 
@@ -140,6 +141,17 @@ class MapSummaryModel(BaseModel):
     demoted: int = 0
 
 
+class StorageModel(BaseModel):
+    """What the turn's save gave (README: What a client can rely on)."""
+
+    saved: bool = Field(description="The session's record in Redis holds the turn: any replica restores it.")
+    durable: bool = Field(description="A crash of the Redis primary does not lose it either.")
+    durability: Literal["none", "memory", "fsync", "replicated"] = Field(
+        description="`none`: not saved (kept in this replica's memory, saved once Redis takes it); `memory`: in "
+        "Redis's memory only; `fsync`: Redis fsyncs every write; `replicated`: Redis replicas took it.")
+    replicas: int = Field(0, description="Redis replicas that acknowledged the save (with RKV_REDIS_MIN_REPLICAS).")
+
+
 class SessionEvent(BaseModel):
     type: Literal["session"] = "session"
     session_id: str
@@ -178,6 +190,7 @@ class DoneEvent(BaseModel):
     memory_map: MapSummaryModel | None = Field(
         None, description="Where the session's tokens are after the turn (GET /v1/sessions/{id}/memory-map in full)."
     )
+    storage: StorageModel | None = Field(None, description="What the turn's save gave; absent without Redis.")
 
 
 class ErrorEvent(BaseModel):
@@ -402,6 +415,7 @@ class ChatCompletion(BaseModel):
     usage: CompletionUsage
     session_id: str
     replica: str
+    storage: StorageModel | None = Field(None, description="What the turn's save gave; absent without Redis.")
 
 
 class ChunkDelta(BaseModel):
@@ -422,6 +436,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: CompletionUsage | None = None
+    storage: StorageModel | None = Field(None, description="On the chunk that finishes the reply: what its save gave.")
 
 
 class ModelCard(BaseModel):

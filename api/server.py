@@ -29,22 +29,20 @@ def served_model_name(settings: ServerSettings) -> str:
 def build_service(settings: ServerSettings, replica: str | None = None, loaded=None) -> "ChatService":
     """A replica's service. With Redis, its session records and its engine's KV tier share the one
     connection the engine opens (``RedisClient``)."""
-    from app.chat_service import ChatService
+    from app.chat_service import ChatService, StoragePolicy
     from app.engine.engine import Engine
     from app.session_store import SessionStore
 
     engine = Engine(settings, loaded=loaded)
-    store = (
-        SessionStore(engine.redis.client, settings.redis_namespace, settings.redis_ttl_s)
-        if engine.redis is not None
-        else None
-    )
+    store = (SessionStore.configured(engine.redis.client, settings, lambda: engine.store_config)
+             if engine.redis is not None else None)
     return ChatService(
         engine,
         replica or settings.replica_id,
         store,
         settings.idle_evict_s,
         max_sessions=settings.max_sessions_per_replica,
+        policy=StoragePolicy(settings.refuse_unsaved_turns, settings.quota_sessions, settings.quota_bytes),
     )
 
 

@@ -143,7 +143,7 @@ class ServiceClient:
         return await self._call(sid, "memory_map", sid, token, owner, text)
 
     async def delete_session(self, sid, token, owner=None):
-        await self._call(sid, "delete_session", sid, token, owner)
+        return await self._call(sid, "delete_session", sid, token, owner)
 
     async def cancel_turn(self, sid, token, owner=None):
         return await self._call(sid, "cancel_turn", sid, token, owner)

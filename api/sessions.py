@@ -69,5 +69,8 @@ async def memory_map(
 
 @router.delete("/{session_id}", status_code=204)
 async def delete_session(session_id: str, request: Request, token: str | None = Header(None, alias=TOKEN_HEADER)):
-    await _service(request).delete_session(session_id, token, owner(request))
-    return Response(status_code=204)
+    saved = await _service(request).delete_session(session_id, token, owner(request))
+    # How durably the delete was written (as a turn's ``storage.durability``): a delete that was not durable
+    # may come undone if Redis loses its last writes.
+    headers = {"x-rkv-durability": saved["durability"]} if saved else {}
+    return Response(status_code=204, headers=headers)

@@ -20,12 +20,14 @@ HEALTH_WAIT_S = 0.5  # a health probe with a 1-second timeout still hears "degra
 ACTIVE_S = 300.0
 
 
-async def redis_health(engine: Engine, unsaved: int) -> dict[str, Any]:
-    """Redis as this replica's one connection sees it (records and KV tier alike); ``{}`` without Redis."""
+async def redis_health(engine: Engine, unsaved: int, refusal: str | None = None) -> dict[str, Any]:
+    """Redis as this replica's one connection sees it (records and KV tier alike), or why it takes no saves
+    (``refusal``: an evicting policy found after a reconnect); ``{}`` without Redis."""
     tier = getattr(engine, "redis", None)
     if tier is None:
         return {}
     error = await tier.client.check(HEALTH_WAIT_S)  # its answer also closes or opens the circuit
+    error = error or refusal
     return {"redis": {"ok": error is None, "error": error}, "unsaved_sessions": unsaved}
 
 
@@ -45,8 +47,10 @@ def replica_totals(engine: Engine, replica: str) -> dict[str, Any]:
             totals[key] += int(getattr(tier_stats, key, 0) or 0)
         for key in ("bytes_read", "bytes_written"):
             totals[f"{name}_{key}"] = int(getattr(tier_stats, key, 0) or 0)
-    circuit_of = getattr(getattr(tiers["redis"], "client", None), "circuit", None)
-    circuit = circuit_of() if circuit_of is not None else {}  # every circuit's (one per shard on a cluster)
+    client = getattr(tiers["redis"], "client", None)
+    circuit = client.circuit() if client is not None else {}  # every circuit's (one per shard on a cluster)
+    if client is not None:
+        circuit["redis_round_trips"] = client.calls  # records and KV alike: a pipeline is one
     busy = sum(1 for s in sessions if s.busy)
     # Device budget, peak, parks and refusals, host-tier bound and refusals, batching figures (Engine.stats).
     return {"replica": replica, "sessions": len(sessions), "busy": busy, **totals, **circuit, **engine.stats()}

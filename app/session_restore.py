@@ -207,17 +207,21 @@ def record(session: Session, digest: str, kv: dict[str, Any] | None) -> dict[str
         "last_turn": session.last_turn,
         "kv": kv,
         # How the cache was fed, turn by turn ([prefill, max_new, decodes]): another process replays it
-        # where pages ``kv`` names are lost.
+        # where pages ``kv`` names are lost, or where its KV could not be written (``fed``: what it had
+        # been fed then), so that the rebuilt cache, and the replies, are the ones this cache gives.
         "feeds": [[f.prefill, f.max_new, f.decodes] for f in session.feeds],
+        "fed": (session.fed_tokens or session.lost_fed) if kv is None and (session.kv_unwritten or session.lost_fed)
+        else None,
     }
 
 
-def checked_feeds(engine: Engine, feeds: Any, kv: dict[str, Any] | None, token_ids: list[int]) -> list[Feed]:
-    """A record's feed log where it describes the record's ``kv``: [prefill, max_new, decodes] integers
-    as turns feed them, accounting for exactly the tokens that cache had been fed, a part of the history.
-    Anything else (malformed, another cache's log, a record from before logs were kept, no ``kv``) is
-    no log: a rebuild then prefills the history in one go, as it would without one."""
-    if not isinstance(kv, dict) or not isinstance(feeds, list):
+def checked_feeds(engine: Engine, feeds: Any, fed: Any, token_ids: list[int]) -> list[Feed]:
+    """A record's feed log where it describes the cache the record stands for, which had been fed
+    ``fed`` tokens: [prefill, max_new, decodes] integers as turns feed them, accounting for exactly
+    those, a part of the history. Anything else (malformed, another cache's log, a record from before
+    logs were kept, nothing fed) is no log: a rebuild then prefills the history in one go, as it would
+    without one."""
+    if not isinstance(feeds, list):
         return []
     parsed: list[Feed] = []
     for entry in feeds:
@@ -227,7 +231,6 @@ def checked_feeds(engine: Engine, feeds: Any, kv: dict[str, Any] | None, token_i
         if not (0 < prefill and 0 <= decodes < max_new <= engine.max_context):
             return []
         parsed.append(Feed(prefill, max_new, decodes))
-    fed = kv.get("history_len")
     if type(fed) is not int or fed > len(token_ids) or not replayable(parsed, fed):
         return []
     return parsed
@@ -251,7 +254,10 @@ def restore(engine: Engine, data: dict[str, Any]) -> Session:
         owner=data.get("owner"),
     )
     session.parked_kv, session.last_turn = kv, last_turn
-    session.feeds = checked_feeds(engine, data.get("feeds"), kv, session.token_ids)
+    fed = kv.get("history_len") if isinstance(kv, dict) else data.get("fed")
+    session.feeds = checked_feeds(engine, data.get("feeds"), fed, session.token_ids)
+    if kv is None and session.feeds:
+        session.lost_fed = fed  # its KV was never written: the next turn rebuilds the cache by replay
     return session
 
 

@@ -1,25 +1,26 @@
 """Session records in Redis: one record per session, from which any replica restores it.
 
-One hash per session at ``{ns}:session:{<id>}`` (``tiers.keys``: the braces put a session's keys in one
-cluster slot): ``version`` (a counter bumped by every save), ``data`` (JSON: mode, RocketKV config,
-messages, token ids, token digest, owner, turn stats, the last turn's key and outcome, and ``kv``: the
-KV generation the cache's ``persist()`` wrote, ``tiers.session_kv``, or null) and ``summary`` (a small
-JSON for listings); a sorted set ``{ns}:sessions`` indexes them by last save time. JSON only, never
-pickle. A record expires after an idle TTL that every save renews (a load does not: a session nobody
-takes a turn in is idle, and its KV, renewed only by saves, must not expire before it).
+One hash per session at ``{ns}:session:{<id>}`` (``tiers.store.redis.keys``: the braces put a session's
+keys in one cluster slot): ``tag`` (a random fence each save draws), ``lineage`` (the tags of the last
+saves, this one last), ``data`` (JSON: mode, RocketKV config, messages, token ids, token digest, owner,
+turn stats, the last turn's key and outcome, and ``kv``: the KV generation the save wrote), ``summary``
+(a small JSON for listings) and ``groups`` (the KV groups the record names, ``tiers.store.protocol``).
+JSON only, never pickle. A record expires after an idle TTL that every save renews.
 
-Saves are compare-and-set on ``version``: a replica holding a stale copy (another replica took the
-session over meanwhile) fails its save and so learns that its copy is stale. A delete leaves a
-tombstone for one TTL (``deleted``, the version bumped, data and summary gone): every later save of
-that session fails against it, so a save in flight cannot bring a deleted session back.
+A save is one script, the commit point (``_COMMIT``): it writes only where the stored tag is the one the
+saving copy last committed or loaded. A lost write cannot repeat a tag, so a store that went back (a
+failover to a lagging replica, a crash with ``appendfsync everysec``) can never be taken for the copy's
+own state: whatever stands there now, the save fails and says what it found, and ``app.session_fence``
+judges it. The same script checks that every KV group the record names is there whole, makes those
+groups live as long as the record, and deletes the groups the record named before and no longer does:
+no sweeper, no manifest. A delete leaves a tombstone for one TTL (``deleted``) and deletes the KV its
+record named in the same script; every later save of that session fails against it.
 
-Every script and command touches one slot, so all of this works on a Redis Cluster: the
-compare-and-set is on the record alone, and the index is updated after it, on its own. The index only
-serves listings, which skip (and drop) entries whose record is gone or a tombstone, so an index update
-lost or late (its shard down, a delete in between) costs a listing entry, never a session. Replicas'
-totals live in one hash, ``{ns}:replicas``: a field per replica, stamped with Redis's own clock
-(replicas' clocks may disagree) and ignored, then removed, once older than its TTL. The store
-speaks through the process's one ``RedisClient``, shared with the KV tier.
+With ``min_replicas``, the save waits (``WAIT``, on the connection that wrote) for that many Redis
+replicas; what the save can promise is reported (``Saved``): replicated, fsynced (``appendfsync
+always``), or only in Redis's memory. Listings read a per-owner index (``{ns}:owner:{<owner>}``, a sorted
+set by expiry, and the owner's stored bytes beside it) that forgets what expired; it is updated after the
+commit, best effort. Replicas' totals live in one hash, ``{ns}:replicas``.
 """
 from __future__ import annotations
 
@@ -27,42 +28,72 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from tiers.keys import session_key
-from tiers.redis_client import RedisClient
-from tiers.redis_script import Script
+from redis.exceptions import NoScriptError
+
+from app.contract.events import Saved
+from app.session_owners import OwnerIndex
+from app.settings import Settings
+from tiers.store.redis.client import RedisClient
+from tiers.store.redis.config import StoreConfig
+from tiers.store.redis.keys import kv_prefix, session_key
+from tiers.store.redis.script import Script
+from tiers.store.redis.url import is_sentinel
 
 log = logging.getLogger(__name__)
 
-# What a save finds: it wrote its version; another version is there; or a tombstone is.
-SAVED, MOVED, DELETED = "saved", "moved", "deleted"
-# ``version`` of a deleted session (its tombstone).
-TOMBSTONE = -1
+# What a save finds: it committed; another tag is there; a tombstone; KV it names is gone.
+SAVED, MOVED, DELETED, KV_MISSING = "saved", "moved", "deleted", "kv_missing"
+LINEAGE = 64  # tags a record keeps: how far back a copy can tell "moved on from me" from "forked"
 
-# KEYS = session key; ARGV = expected version ('' = must not exist), new version, data, summary, ttl.
-# Returns 1 (saved), 0 (another version) or -1 (a tombstone).
-_CAS_SAVE = """
-if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then
-  return -1
+# KEYS = record, then the key of each group the record names. ARGV = expected tag ('' = must not exist),
+# tag, lineage, data, summary, ttl, KV ttl, pending ttl, KV key prefix, '1' to leave the groups no longer
+# named pending (else unlink them), then (group, items) of each group of KEYS[2..]. Returns {1} saved (or
+# this very commit had landed: a lost reply, retried), {0, tag, lineage} another tag (or none) is there,
+# {-1} a tombstone, {-2, group} a group it names is not there whole (nothing written then). The groups
+# the record named before are read from it: same slot (one hash tag), so a cluster serves them here.
+_COMMIT = """
+local rec = KEYS[1]
+if redis.call('HEXISTS', rec, 'deleted') == 1 then return {-1} end
+local cur = redis.call('HGET', rec, 'tag')
+if cur == false and redis.call('HEXISTS', rec, 'version') == 1 then cur = 'v' .. redis.call('HGET', rec, 'version') end
+if cur == ARGV[2] then return {1} end
+if not ((cur == false and ARGV[1] == '') or (cur ~= false and cur == ARGV[1])) then
+  return {0, cur or '', redis.call('HGET', rec, 'lineage') or ''}
 end
-local cur = redis.call('HGET', KEYS[1], 'version')
-if (cur == false and ARGV[1] == '') or (cur ~= false and cur == ARGV[1]) then
-  redis.call('HSET', KEYS[1], 'version', ARGV[2], 'data', ARGV[3], 'summary', ARGV[4])
-  redis.call('EXPIRE', KEYS[1], ARGV[5])
-  return 1
+local named, names = {}, {}
+for i = 2, #KEYS do
+  local name, items = ARGV[9 + 2 * i - 2], tonumber(ARGV[10 + 2 * i - 2])
+  if redis.call('HLEN', KEYS[i]) < items then return {-2, name} end
+  named[name] = true
+  names[#names + 1] = name
 end
-return 0
+local old = redis.call('HGET', rec, 'groups') or ''
+redis.call('HSET', rec, 'tag', ARGV[2], 'lineage', ARGV[3], 'data', ARGV[4], 'summary', ARGV[5],
+           'groups', table.concat(names, ' '))
+redis.call('EXPIRE', rec, ARGV[6])
+for i = 2, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
+for name in string.gmatch(old, '%S+') do
+  if not named[name] then
+    if ARGV[10] == '1' then redis.call('EXPIRE', ARGV[9] .. name, ARGV[8]) else redis.call('UNLINK', ARGV[9] .. name) end
+  end
+end
+return {1}
 """
 
-# KEYS = session key; ARGV = ttl. The record becomes a tombstone: a bumped version, no data or summary.
+# KEYS = record; ARGV = tag, ttl, KV key prefix. The record becomes a tombstone, its KV unlinked.
 _TOMBSTONE = """
-local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
-redis.call('HDEL', KEYS[1], 'data', 'summary')
-redis.call('HSET', KEYS[1], 'version', cur + 1, 'deleted', 1)
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return cur + 1
+local old = redis.call('HGET', KEYS[1], 'groups') or ''
+for name in string.gmatch(old, '%S+') do redis.call('UNLINK', ARGV[3] .. name) end
+redis.call('HDEL', KEYS[1], 'data', 'summary', 'groups', 'lineage')
+redis.call('HSET', KEYS[1], 'tag', ARGV[1], 'deleted', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
 """
 
 # KEYS = replicas hash; ARGV = replica, stats JSON, ttl. The field holds "<expiry, Redis's clock> <JSON>";
@@ -93,17 +124,68 @@ return live
 """
 
 
+def new_tag() -> str:
+    return secrets.token_hex(8)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A session's record as it stands: its tag (None: there is none), its lineage, whether deleted."""
+
+    tag: str | None
+    lineage: tuple[str, ...] = ()
+    deleted: bool = False
+
+    @classmethod
+    def of(cls, tag, lineage, deleted, version=None) -> "Stored":
+        """From the record's fields; one written before records carried tags has its version stand in."""
+        if tag is None and version is not None:
+            tag = lineage = f"v{_text(version)}"
+        if deleted is not None:
+            return cls(_text(tag) or None, (), True)
+        return cls(_text(tag) or None, tuple(_text(lineage).split()))
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    outcome: str
+    stored: Stored | None = None  # what stood there instead (``MOVED``)
+    saved: Saved | None = None  # what the save promises (``SAVED``)
+    missing: str | None = None  # the group found short (``KV_MISSING``)
+
+
 class SessionStore:
-    def __init__(self, client: RedisClient, namespace: str = "rkv", ttl_s: int = 7 * 24 * 3600, owns_client=False):
+    def __init__(self, client: RedisClient, namespace: str = "rkv", ttl_s: int = 7 * 24 * 3600, owns_client=False,
+                 pending_ttl_s: int = 600, min_replicas: int = 0, wait_timeout_s: float = 1.0,
+                 config: Callable[[], StoreConfig] = StoreConfig):
+        """``config``: what Redis promises now (``Engine.store_config``, read again after a failover)."""
         self.client = client
         self.ns = namespace
         self.ttl_s = int(ttl_s)
+        self.kv_ttl_s = self.ttl_s + self.ttl_s // 4  # KV outlives the record naming it
+        self.pending_ttl_s = int(pending_ttl_s)
+        self.min_replicas, self.wait_ms = int(min_replicas), max(1, int(wait_timeout_s * 1000))
+        self.config = config
+        self.failover = client.cluster or is_sentinel(client.url)  # a replica may be promoted in the primary's place
         self._owns_client = owns_client  # closed with the store only where nothing else uses it
         self._redis = client.redis
-        self._cas = Script(self._redis, _CAS_SAVE)
+        self._commit = Script(self._redis, _COMMIT)
         self._tombstone = Script(self._redis, _TOMBSTONE)
         self._put_replica = Script(self._redis, _PUT_REPLICA)
         self._live_replicas = Script(self._redis, _LIVE_REPLICAS)
+        self.owners = OwnerIndex(client, namespace, self.ttl_s)
+
+    @classmethod
+    def configured(cls, client: RedisClient, settings: Settings, config: Callable[[], StoreConfig] = StoreConfig
+                   ) -> "SessionStore":
+        """The store a replica's settings ask for, on its engine's connection."""
+        return cls(client, settings.redis_namespace, settings.redis_ttl_s, pending_ttl_s=settings.redis_pending_ttl_s,
+                   min_replicas=settings.redis_min_replicas, wait_timeout_s=settings.redis_wait_timeout_s,
+                   config=config)
 
     @classmethod
     def connect(cls, url: str, namespace: str = "rkv", ttl_s: int = 7 * 24 * 3600) -> "SessionStore":
@@ -114,95 +196,112 @@ class SessionStore:
         return session_key(self.ns, session_id)
 
     @property
-    def _index(self) -> str:
-        return f"{self.ns}:sessions"
-
-    @property
-    def _deleting(self) -> str:
-        """Sessions deleted whose KV keys may remain (a replica died mid-delete): id -> time of the delete."""
-        return f"{self.ns}:deleting"
-
-    @property
     def _replicas(self) -> str:
         return f"{self.ns}:replicas"
 
     async def ping(self) -> bool:
         return bool(await self.client.call(self._redis.ping()))
 
-    async def save(self, data: dict[str, Any], summary: dict[str, Any], expected_version: int | None) -> str:
-        """Write ``data`` as version ``expected_version + 1`` (or 1 for a new key): ``SAVED``; ``MOVED``
-        when another version is there, ``DELETED`` when the session was deleted."""
-        expected = "" if expected_version is None else str(expected_version)
-        new_version = (expected_version or 0) + 1
-        key = self.key(data["id"])
-        ok = await self.client.call(self._cas(
-            [key], [expected, str(new_version), json.dumps(data), json.dumps(summary), str(self.ttl_s)]
-        ), key=key)
-        outcome = {1: SAVED, 0: MOVED}.get(int(ok), DELETED)
-        if outcome == SAVED:
-            await self._indexed(data["id"])
-        return outcome
+    # --- saves -------------------------------------------------------------------------------
+    async def save(self, data: dict[str, Any], summary: dict[str, Any], expected: str | None, tag: str,
+                   lineage: list[str], groups: dict[str, int] | None, stored_bytes: int = 0) -> SaveResult:
+        """Commit ``data`` under ``tag`` where the stored tag is ``expected`` (None: there must be no
+        record), naming ``groups`` (None: the record names no KV, and the groups named before are left
+        pending for their holder). Raises where Redis fails or refuses (full, under ``noeviction``)."""
+        key, prefix = self.key(data["id"]), kv_prefix(self.ns, data["id"])
+        pairs = [str(v) for g, n in (groups or {}).items() for v in (g, n)]
+        args = [expected or "", tag, " ".join(lineage[-LINEAGE:]), json.dumps(data), json.dumps(summary),
+                str(self.ttl_s), str(self.kv_ttl_s), str(self.pending_ttl_s), prefix, "1" if groups is None else "0",
+                *pairs]
+        keys = [key, *(prefix + g for g in groups or {})]
+        reply, replicas = await self.client.call(self._written(_COMMIT, self._commit.sha, keys, args), key=key)
+        code = int(reply[0])
+        if code == 1:
+            try:  # best effort: the record is committed, and a listing entry behind costs no session
+                await self.owners.put(data.get("owner"), data["id"], time.time() + self.ttl_s, stored_bytes)
+            except Exception as exc:  # noqa: BLE001 - the owner's shard is out, or Redis is full
+                log.warning("session %s saved but not listed (%s: %s)", data["id"], type(exc).__name__, exc)
+            return SaveResult(SAVED, saved=self._saved(replicas))
+        if code == 0:
+            return SaveResult(MOVED, stored=Stored.of(reply[1] or None, reply[2], None))
+        if code == -2:
+            return SaveResult(KV_MISSING, missing=_text(reply[1]))
+        return SaveResult(DELETED)
 
-    async def _indexed(self, session_id: str) -> None:
-        """List a saved session. Best effort: the record is committed already, and a save that raised now
-        would be taken for one that failed (its KV generation removed)."""
-        try:
-            await self.client.call(self._redis.zadd(self._index, {session_id: time.time()}), key=self._index)
-        except Exception as exc:  # noqa: BLE001 - the index's shard is out: the next save lists it
-            log.warning("session %s saved but not listed (%s: %s)", session_id, type(exc).__name__, exc)
+    async def _written(self, text: str, sha: str, keys: list[str], args: list[str]) -> tuple[Any, int]:
+        """A script on ``keys`` (one slot) and, with ``min_replicas``, a ``WAIT`` on the same connection (one
+        pipeline: ``WAIT`` counts the replicas that took this connection's writes); its reply and the
+        replicas reached (0 where ``WAIT`` failed: the write stands, its replication is unknown)."""
+        async def run(script: bool):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                if script:
+                    pipe.eval(text, len(keys), *keys, *args)
+                else:
+                    pipe.evalsha(sha, len(keys), *keys, *args)
+                if self.min_replicas:
+                    extra = {"target_nodes": self._redis.get_node_from_key(keys[0])} if self.client.cluster else {}
+                    pipe.execute_command("WAIT", self.min_replicas, self.wait_ms, **extra)
+                return await pipe.execute(raise_on_error=False)
 
-    async def load(self, session_id: str) -> tuple[dict[str, Any], int] | None:
+        replies = await run(script=False)
+        if isinstance(replies[0], NoScriptError):
+            replies = await run(script=True)
+        if isinstance(replies[0], BaseException):
+            raise replies[0]
+        waited = replies[1] if self.min_replicas else 0
+        return replies[0], 0 if isinstance(waited, BaseException) else int(waited)
+
+    def _saved(self, replicas: int) -> Saved:
+        """What a committed save promises: replicated beats fsync beats memory. Where a failover may promote
+        a replica (Sentinel, Cluster), a write on the primary's disk alone is not durable: the replica
+        promoted may lack it."""
+        config = self.config()
+        if config.evicting:  # allowed knowingly (RKV_REDIS_ALLOW_EVICTION): Redis may drop it at any time
+            return Saved(True, False, "memory", replicas)
+        fsync = config.fsync_always
+        if self.min_replicas and replicas >= self.min_replicas:
+            return Saved(True, True, "replicated", replicas)
+        return Saved(True, fsync and not self.failover, "fsync" if fsync else "memory", replicas)
+
+    async def load(self, session_id: str) -> tuple[dict[str, Any], Stored] | None:
         key = self.key(session_id)
-
-        version, data = await self.client.call(self._redis.hmget(key, "version", "data"), key=key)
-        if version is None or data is None:  # absent, or a tombstone
+        tag, lineage, data, version = await self.client.call(
+            self._redis.hmget(key, "tag", "lineage", "data", "version"), key=key)
+        if data is None:  # absent, or a tombstone
             return None
-        return json.loads(data), int(version)
+        return json.loads(data), Stored.of(tag, lineage, None, version)
 
-    async def version(self, session_id: str) -> int | None:
-        """The stored version; None when there is no record, ``TOMBSTONE`` when the session was deleted."""
+    async def stored(self, session_id: str) -> Stored:
         key = self.key(session_id)
-        value, deleted = await self.client.call(self._redis.hmget(key, "version", "deleted"), key=key)
-        if deleted is not None:
-            return TOMBSTONE
-        return None if value is None else int(value)
+        return Stored.of(*await self.client.call(self._redis.hmget(key, "tag", "lineage", "deleted", "version"),
+                                                 key=key))
 
-    async def delete(self, session_id: str) -> None:
-        """Leave a tombstone in place of the record (for one TTL), drop it from the listing (best effort:
-        a listing drops a tombstone's entry anyway), and log it as deleting until its KV keys are gone
-        (``deleted``), so that any replica finishes a delete whose replica died half way."""
-        key = self.key(session_id)
-        await self.client.call(self._tombstone([key], [str(self.ttl_s)]), key=key)
-        with contextlib.suppress(Exception):
-            await self.client.call(self._redis.zrem(self._index, session_id), key=self._index)
-        await self.client.call(self._redis.zadd(self._deleting, {session_id: time.time()}), key=self._deleting)
-
-    async def deleted(self, session_id: str) -> None:
-        """A delete's KV keys are gone: it leaves the log."""
-        await self.client.call(self._redis.zrem(self._deleting, session_id), key=self._deleting)
-
-    async def unfinished_deletes(self, older_than_s: float, limit: int = 16) -> list[str]:
-        """Deletes logged more than ``older_than_s`` ago whose KV keys may remain."""
-        ids = await self.client.call(self._redis.zrangebyscore(
-            self._deleting, "-inf", time.time() - older_than_s, start=0, num=limit), key=self._deleting)
-        return [i.decode() for i in ids]
-
-    async def versions(self, session_ids: list[str]) -> list[int | None | BaseException]:
-        """``version`` of many sessions, one pipelined request per shard (None: no record; ``TOMBSTONE``;
-        the error, for a session on a cluster shard that does not answer)."""
+    async def stored_many(self, session_ids: list[str]) -> list[Stored | BaseException]:
+        """``stored`` of many sessions, one pipelined request per shard (the error, for a session on a
+        cluster shard that does not answer)."""
         if not session_ids:
             return []
         replies = await self.client.per_shard([self.key(sid) for sid in session_ids],
-                                              lambda pipe, key: pipe.hmget(key, "version", "deleted"))
-        return [reply if isinstance(reply, BaseException) else TOMBSTONE if reply[1] is not None
-                else None if reply[0] is None else int(reply[0]) for reply in replies]
+                                              lambda pipe, key: pipe.hmget(key, "tag", "lineage", "deleted", "version"))
+        return [r if isinstance(r, BaseException) else Stored.of(*r) for r in replies]
 
+    async def delete(self, session_id: str, owner: str | None) -> Saved:
+        """Leave a tombstone in place of the record (for one TTL), deleting the KV it named, then drop it
+        from its owner's listing (best effort: a listing drops a tombstone's entry anyway). What the
+        tombstone's write promises, as a save's."""
+        key = self.key(session_id)
+        args = [new_tag(), str(self.ttl_s), kv_prefix(self.ns, session_id)]
+        _, replicas = await self.client.call(self._written(_TOMBSTONE, self._tombstone.sha, [key], args), key=key)
+        with contextlib.suppress(Exception):
+            await self.owners.drop(owner, [session_id])
+        return self._saved(replicas)
+
+    # --- listings ----------------------------------------------------------------------------
     async def summaries(self, limit: int = 1000, owner: str | None = None) -> list[dict[str, Any]]:
-        """``owner``'s sessions among the ``limit`` most recently saved, newest first. Index entries whose
-        record expired or is a tombstone are dropped on the way; those on a cluster shard that does not
-        answer are left out of this listing (and kept)."""
-        ids = [sid.decode() for sid in await self.client.call(
-            self._redis.zrevrange(self._index, 0, limit - 1), key=self._index)]
+        """``owner``'s ``limit`` most recently saved sessions, newest first. Entries whose record expired
+        or is a tombstone are dropped on the way; those on a cluster shard that does not answer are left
+        out of this listing (and kept)."""
+        ids = await self.owners.ids(owner, limit)
         if not ids:
             return []
         replies = await self.client.per_shard([self.key(sid) for sid in ids],
@@ -211,11 +310,12 @@ class SessionStore:
                 if not isinstance(reply, BaseException) and (reply[0] is None or reply[1] is not None)]
         if gone:
             with contextlib.suppress(Exception):  # the next listing drops them
-                await self.client.call(self._redis.zrem(self._index, *gone), key=self._index)
+                await self.owners.drop(owner, gone)
         found = (json.loads(reply[0]) for reply in replies
                  if not isinstance(reply, BaseException) and reply[0] is not None and reply[1] is None)
         return [s for s in found if s.get("owner") == owner]
 
+    # --- replicas ----------------------------------------------------------------------------
     async def put_replica_stats(self, replica: str, stats: dict[str, Any], ttl_s: int) -> None:
         await self.client.call(self._put_replica([self._replicas], [replica, json.dumps(stats), str(int(ttl_s))]),
                                key=self._replicas)

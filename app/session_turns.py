@@ -18,12 +18,21 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from app.contract.errors import ChatError, HistoryMismatch, InvalidRequest, SessionMoved, SessionNotFound
+from app.contract.errors import (
+    ChatError,
+    HistoryMismatch,
+    InvalidRequest,
+    SessionDiverged,
+    SessionMoved,
+    SessionNotFound,
+    StoreUnavailable,
+)
 from app.contract.events import (
     Delta,
     Done,
     MapSummary,
     MemoryStats,
+    Saved,
     Status,
     TurnEvent,
     TurnFailed,
@@ -35,6 +44,7 @@ from app.engine.events import TextDelta, TurnDone, TurnStatus
 from app.engine.session import Session
 from app.session_map import map_summary
 from app.session_restore import checked_sampling, is_unicode
+from app.session_fence import DIVERGED
 from app.session_store import DELETED, MOVED
 
 log = logging.getLogger(__name__)
@@ -93,11 +103,11 @@ def keep(session: Session, key: str | None, replica: str) -> None:
 
 def replay(
     session: Session, key: str | None, replica: str, memory: Callable[[Session], MemoryStats],
-    memory_map: Callable[[Session], MapSummary] | None = None,
+    memory_map: Callable[[Session], MapSummary] | None = None, storage: Saved | None = None,
 ) -> list[TurnEvent] | None:
     """The events of the session's last turn if it was sent under ``key`` (its ``done`` with the
-    session's memory, and its map's summary, now); None when it was not (that turn has not run: the
-    caller runs it)."""
+    session's memory, its map's summary and what is saved of it, now); None when it was not (that turn
+    has not run: the caller runs it)."""
     last: dict[str, Any] | None = session.last_turn
     if key is None or not last or last.get("key") != key:
         return None
@@ -113,27 +123,36 @@ def replay(
         ttft_ms=last["ttft_ms"],
         latency_ms=last["latency_ms"],
         memory_map=memory_map(session) if memory_map is not None else None,
+        storage=storage,
     ))
     return events
 
 
 class Turns:
     """The chat verb of ``ChatService``, given how it finds a session (access checks and restore
-    included), how it saves one, and where it runs background work."""
+    included), what it checks before a turn runs (quotas, whether Redis can take it), how it saves one,
+    where it runs background work, and, where turns that cannot be saved are refused, how it takes back a
+    turn whose save failed (the local copy goes: the session is its stored state again)."""
 
     def __init__(
         self,
         engine: Engine,
         replica: str,
         session_of: Callable[[str, str | None, str | None], Awaitable[tuple[Session, bool]]],
-        persist: Callable[[Session], Awaitable[str | None]],
+        persist: Callable[..., Awaitable[tuple[str | None, Saved | None]]],  # (session, tells=False)
         spawn: Callable[[Awaitable[None]], None],
+        admit: Callable[[Session], Awaitable[None]] | None = None,
+        take_back: Callable[[str], None] | None = None,
+        stored_state: Callable[[str], Saved | None] = lambda sid: None,
     ):
         self.engine = engine
         self.replica = replica
         self.session_of = session_of
         self.persist = persist
         self.spawn = spawn
+        self.admit = admit
+        self.take_back = take_back
+        self.stored_state = stored_state  # what is saved of a session now (a turn answered again says it)
         self.keys = TurnKeys()
 
     async def run(
@@ -155,12 +174,14 @@ class Turns:
             try:
                 session, _ = await self.session_of(sid, token, owner)
                 answered = replay(session, turn_key, self.replica, self.engine.memory,
-                                  lambda s: map_summary(self.engine, s))
+                                  lambda s: map_summary(self.engine, s), self.stored_state(sid))
                 if answered is None:
                     if history is not None and [[m["role"], m["content"]] for m in session.messages] != history:
                         raise HistoryMismatch("the messages do not continue this session's history")
                     if isinstance(content, str) and not is_unicode(content):
                         raise InvalidRequest("the message is not valid Unicode text (a lone surrogate)")
+                    if self.admit is not None:
+                        await self.admit(session)
                     stream = await self.engine.chat(sid, content, checked_sampling(sampling))
             except ChatError as exc:
                 yield TurnFailed.of(exc)
@@ -196,14 +217,18 @@ class Turns:
                 self.spawn(self._close_and_keep(stream, session, turn_key, release))
                 raise
             keep(session, turn_key, self.replica)
-            outcome = await self.persist(session)
-            if outcome in (MOVED, DELETED):
+            outcome, saved = await self.persist(session, True)
+            if outcome in (MOVED, DELETED, DIVERGED):
                 # Its record moved on (or went) while this copy ran the turn: the turn is not in the
                 # record, so it is not acknowledged; sent again, it runs on the current state.
-                yield TurnFailed.of(SessionNotFound(f"no session {sid!r}") if outcome == DELETED else SessionMoved(
-                    "the session moved on on another replica; this turn was not kept: send it again"))
+                yield TurnFailed.of(not_kept(sid, outcome))
                 return
-            yield self._done(session, event)
+            if outcome is None and saved is not None and not saved.saved and self.take_back is not None:
+                self.take_back(sid)  # in this replica's memory only, which the operator refuses: taken back
+                yield TurnFailed.of(StoreUnavailable("Redis could not take this turn, so it was not kept; "
+                                                     "send it again later"))
+                return
+            yield self._done(session, event, saved)
         finally:
             if not handed_over:
                 release()
@@ -217,7 +242,7 @@ class Turns:
         finally:
             release()
 
-    def _done(self, session: Session, done: TurnDone) -> Done:
+    def _done(self, session: Session, done: TurnDone, saved: Saved | None) -> Done:
         return Done(
             finish_reason=done.finish_reason,
             usage=done.usage,
@@ -227,4 +252,16 @@ class Turns:
             ttft_ms=done.ttft_ms,
             latency_ms=done.latency_ms,
             memory_map=map_summary(self.engine, session),
+            storage=saved,
         )
+
+
+def not_kept(sid: str, outcome: str) -> ChatError:
+    """What the caller of a turn that ran on a copy that must not serve again is told."""
+    if outcome == DELETED:
+        return SessionNotFound(f"no session {sid!r}")
+    if outcome == DIVERGED:
+        return SessionDiverged("Redis lost turns of this session that this replica had acknowledged, and another "
+                               "replica went on from the older state: this turn was not kept, and the session "
+                               "continues from the stored state; send it again")
+    return SessionMoved("the session moved on on another replica; this turn was not kept: send it again")

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tiers.redis_url import is_cluster, parse_cluster
+from tiers.store.redis.url import is_cluster, is_sentinel, parse_cluster, parse_sentinel
 
 # The names of ``rocketkv_mt.cache.CACHE_MODES`` (a test keeps them equal), spelled out so that reading
 # the settings imports no torch.
@@ -28,9 +28,11 @@ SketchBits = Annotated[Literal[0, 2, 4], BeforeValidator(_digits_as_int)]
 
 
 def _checked_redis_url(value: str | None) -> str | None:
-    """A Redis Cluster URL's nodes are read now: a wrong one fails at startup, not at the first save."""
+    """A Redis Cluster or Sentinel URL's nodes are read now: a wrong one fails at startup, not at the first save."""
     if value and is_cluster(value):
         parse_cluster(value)
+    if value and is_sentinel(value):
+        parse_sentinel(value)
     return value
 
 
@@ -93,7 +95,8 @@ class Settings(BaseSettings):
     )
     redis_url: RedisUrl = Field(
         None, description="Redis URL (e.g. redis://127.0.0.1:6379/0): cold KV spills there and sessions persist. "
-        "A Redis Cluster: redis+cluster://host:port[,host:port...] (any of its nodes; rediss+cluster for TLS)."
+        "A Redis Cluster: redis+cluster://host:port[,host:port...] (any of its nodes; rediss+cluster for TLS). "
+        "A primary behind Redis Sentinel: redis+sentinel://host:port[,host:port...]/<service>[/<db>]."
     )
     redis_namespace: str = Field("rkv", description="Prefix of every Redis key this server writes.")
     redis_ttl_s: int = Field(7 * 86400, ge=60, description="Idle time after which a session's Redis keys expire.")
@@ -104,6 +107,23 @@ class Settings(BaseSettings):
     redis_retry_s: float = Field(
         1.0, gt=0, description="After Redis failed, calls to it fail at once for this long before one probes "
         "again (doubling while probes fail, up to 30 times this); /healthz reports `degraded` meanwhile."
+    )
+    redis_pending_ttl_s: int = Field(
+        600, ge=10, description="Lifetime of KV that no session record names yet (pages spilled or written by a "
+        "turn whose record is not saved): renewed by its replica while it holds the session, so what a crashed "
+        "or cut-off replica wrote is gone this long after it stopped renewing."
+    )
+    redis_min_replicas: int = Field(
+        0, ge=0, description="Redis replicas a session's save waits for (`WAIT`) before a turn's `done` calls it "
+        "durable; 0: no wait (durable only with `appendfsync always`)."
+    )
+    redis_wait_timeout_s: float = Field(
+        1.0, gt=0, description="Longest a save waits for `RKV_REDIS_MIN_REPLICAS` replicas; past it the turn is "
+        "saved but not durable."
+    )
+    redis_allow_eviction: bool = Field(
+        False, description="Start against a Redis whose `maxmemory-policy` evicts keys (refused otherwise): "
+        "sessions may then vanish after they were acknowledged."
     )
     host_tier_bytes: int = Field(
         2 * 1024**3, ge=1 << 20, description="Hard bound of the host tier (CPU memory for cold KV pages), per "
@@ -197,6 +217,14 @@ class Settings(BaseSettings):
         "'torch' uses the torch references everywhere.",
     )
 
+    @model_validator(mode="after")
+    def _wait_within_socket_timeout(self) -> "Settings":
+        # A WAIT longer than the socket timeout would read as a failed save although the record committed.
+        if self.redis_min_replicas and self.redis_wait_timeout_s >= self.redis_timeout_s:
+            raise ValueError("RKV_REDIS_WAIT_TIMEOUT_S must be below RKV_REDIS_TIMEOUT_S (the socket timeout a "
+                             "save's WAIT is read under)")
+        return self
+
 
 class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RKV_", extra="ignore")
@@ -280,6 +308,18 @@ class ServeSettings(BaseSettings):
         3600.0,
         ge=1,
         description="Idle time after which a replica drops a session from memory (only when Redis keeps it).",
+    )
+    refuse_unsaved_turns: bool = Field(
+        False, description="Refuse a turn that cannot be saved (`store_unavailable`; a finished turn whose save "
+        "failed is taken back) instead of answering it from memory with `saved: false` and saving it later."
+    )
+    quota_sessions: int = Field(
+        0, ge=0, description="Most sessions one API key (or, without keys, all callers together) may keep in Redis; "
+        "0: no limit. Beyond it new sessions get `quota_exceeded`."
+    )
+    quota_bytes: int = Field(
+        0, ge=0, description="Most bytes one API key's sessions may keep in Redis (records and KV); 0: no limit. "
+        "Beyond it new turns get `quota_exceeded`."
     )
 
 

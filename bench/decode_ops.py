@@ -19,7 +19,7 @@ from bench.common import write_json
 from bench.random_model import parse_shapes, random_model
 from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
-from tiers.host import HostTier
+from tiers.host.tier import HostTier
 
 MODES = ("full", "snapkv", "rocketkv", "rocketkv-mt", "tiered")
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")

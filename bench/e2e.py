@@ -37,7 +37,7 @@ from bench.common import write_json
 from bench.random_model import parse_shapes, random_model
 from rocketkv_mt.cache import SessionCache, TierContext, make_cache
 from rocketkv_mt.config import RocketKVConfig
-from tiers.host import HostTier
+from tiers.host.tier import HostTier
 from tiers.transfers import Transfers
 
 # Bench mode -> (cache mode, kernels setting of its runner).

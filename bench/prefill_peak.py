@@ -36,7 +36,7 @@ from bench.random_model import parse_shapes, random_model
 from rocketkv_mt.attention_ops import prefill_scratch_bytes
 from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
-from tiers.host import HostTier
+from tiers.host.tier import HostTier
 
 GIB = 1024**3
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bench.plot import long_message, plottable, render, run_command
 from bench.report_gpu import GPU_TABLES
+from bench.report_soak import SOAK_TABLES
 from bench.results import RESULTS, ROOT, Result, folder, shipped
 from bench.sweep import Sweep, sweeps
 from bench.tables import mb as _mb
@@ -63,14 +64,22 @@ ABOUT = {
              "sessions and not N+1; each round 2N new sessions arrive at once and stay resident together; "
              "sessions per replica and refusals (`device_memory_exhausted`) per placement policy "
              "(`RKV_PLACEMENT`).",
-    "soak": "Sessions kept through faults (`rocketkv-mt bench soak`): a private Redis with AOF and replica "
-            "processes; clients take short REST turns, delete their sessions after a random number of turns and "
-            "open new ones, and move between replicas, while replicas are killed (SIGKILL) and started again and "
-            "Redis is shut down and started again on its AOF. Then: every surviving session's history (messages "
-            "and token ids) is what its client was acknowledged, no deleted session answers on any replica, every "
-            "Redis key of the session namespace is named by its record (a live one: itself, its manifest, its KV "
-            "generation's tables and the pages they list; a tombstone: itself), and each replica's used "
-            "host-tier bytes are its live sessions' sum. Failed attempts (retried) are counted by kind; a violation fails the run.",
+    "soak": "Sessions kept through faults (`rocketkv-mt bench soak`): a Redis topology (one `redis-server`, a "
+            "primary and a replica behind three Sentinels, or a Cluster of three masters with a replica each; AOF "
+            "with `appendfsync everysec`) and replica processes; clients take short REST turns, delete their "
+            "sessions after a random number of turns and open new ones, and move between replicas, while faults "
+            "strike one at a time: replicas killed (SIGKILL) and started again, Redis primaries crashed (their "
+            "last writes lost), Sentinel and Cluster failovers, a replica cut off from Redis, one made slow (a "
+            "proxy in its network namespace) and one paused (SIGSTOP). Then: every turn acknowledged durable is in "
+            "its session's final history, bit for bit (one acknowledged as not durable may be missing, and its "
+            "client was told), no deleted session answers on any replica, every surviving conversation replayed "
+            "on a fresh replica without faults gives the same greedy replies, or, where a reply differs, the soak's "
+            "own transcript teacher-forced puts each of its tokens within a tie (0.05 logit) of the top one: float "
+            "noise of batched steps, not wrong KV, which would put them far below (no wrong KV was served); no record "
+            "names missing KV unless a restore said so, once the pending TTL has passed every Redis key of the "
+            "session namespace is named by its record, and each replica's used host-tier bytes are its live "
+            "sessions' sum. Older files: a single Redis restarted on its AOF. Failed attempts (retried) are "
+            "counted by kind; a violation fails the run.",
     "placement": "Where new sessions go, by simulation (`rocketkv-mt bench placement`): a synthetic chat trace "
                  "(sized from LMSYS-Chat-1M and ShareGPT statistics; `bench/placement_trace.py`) replayed against "
                  "2, 8 and 64 simulated replicas with the server's own placement (`app/placement.py`), per-session "
@@ -90,7 +99,7 @@ ABOUT = {
               "serves them.",
     "ops": "Torch ops, kernel launches and native calls per decode step and layer (`rocketkv-mt bench ops`, "
            "torch profiler): the batched step (`auto`) against one call per session (`torch`).",
-    "gpu": "The GPU check (`bench/gpu_check.py`, see the README's GPU check section).",
+    "gpu": "The GPU check (`bench/gpu_check.py`, see docs/gpu-check.md).",
 }
 
 
@@ -286,51 +295,6 @@ def _cluster(d: dict) -> list[str]:
                            "sessions parked"], rows)
 
 
-SOAK_CHECKS = (
-    ("history", "surviving sessions whose history differs from what was acknowledged", "history"),
-    ("lost_turns", "acknowledged turns lost", None),
-    ("duplicated_turns", "acknowledged turns duplicated", None),
-    ("deleted_answering", "deleted sessions answering on a replica", "deleted"),
-    ("orphan_keys", "Redis keys of the session namespace without a live record", "orphan_keys"),
-    ("host_slots", "replicas whose used host-tier bytes are not their live sessions' sum", "host_slots"),
-)
-
-
-def _soak_checked(d: dict, check: str | None) -> str:
-    """What a check looked at: sessions, keys' sessions or replicas."""
-    c = d["checks"]
-    if check == "history":
-        return f"{c['history']['sessions']} sessions"
-    if check == "deleted":
-        return f"{c['deleted']['sessions']} sessions"
-    if check == "orphan_keys":
-        return "every key"
-    if check == "host_slots":
-        return f"{len(c['host_slots'])} replicas"
-    return f"{c['history']['turns'].get('acknowledged', 0)} turns"
-
-
-def _soak(d: dict) -> list[str]:
-    s, restarts = d["soak"], d["restarts"]
-    lines = [f"{s['sessions']} clients on {s['replicas']} replicas for {s['duration_s']:.0f} s (wall "
-             f"{d['wall_s']:.0f} s), mode `{s['mode']}`, budget {s['budget']}, {s['max_tokens']} tokens a reply, "
-             f"host tier {_mb(s['host_tier_bytes'])}; sessions of {s['session_turns'][0]}-{s['session_turns'][1]} "
-             f"turns. {restarts['replica']} replica restarts (kill -9"
-             + (", not waiting for unsaved sessions" if s.get("kill_unsaved") else "")
-             + f"), {restarts['redis']} Redis restart(s)"
-             + (f", {restarts['failed']} failed" if restarts.get("failed") else "") + ". "
-             + ("**No violation.**" if d["ok"] else "**Violations found.**"), ""]
-    rows = [["turns acknowledged", d["turns_done"]], ["of them on a retry", d["turns_replayed"]]]
-    rows += [[f"turn attempts failed: `{kind}`", n] for kind, n in d["turns_failed"].items()]
-    rows += [[f"other requests failed: `{kind}`", n] for kind, n in d["requests_failed"].items()]
-    rows += [["sessions opened", d["sessions_created"]], ["sessions deleted", d["deletes"]],
-             ["sessions surviving", d["sessions_surviving"]], ["turns left in doubt", d["turns_in_doubt"]]]
-    rows += [[f"sessions given up: {why}", n] for why, n in d["sessions_given_up"].items()]
-    lines += _table(["what", "count"], rows) + [""]
-    rows = [[what, _soak_checked(d, check), d["violations"].get(name, 0)] for name, what, check in SOAK_CHECKS]
-    return lines + _table(["check", "checked", "violations"], rows)
-
-
 def _placement(d: dict) -> list[str]:
     p = d["placement"]
     sim = p["sim"]
@@ -412,8 +376,8 @@ def _fields(d: dict) -> list[str]:
 TABLES: dict[str, Callable[[dict], list[str]]] = {
     "eval": _eval, "needle": _needle, "fidelity": _fidelity, "history-swap": _history_swap, "scaling": _scaling,
     "decode": _decode, "capacity": _capacity, "prefill-peak": _prefill_peak, "ttft": _ttft, "serve": _serve,
-    "stall": _stall, "cluster": _cluster, "soak": _soak, "placement": _placement, "rounds": _rounds, "hsa": _hsa,
-    "linear": _linear, "ops": _ops, **GPU_TABLES,
+    "stall": _stall, "cluster": _cluster, "placement": _placement, "rounds": _rounds, "hsa": _hsa,
+    "linear": _linear, "ops": _ops, **SOAK_TABLES, **GPU_TABLES,
 }
 
 

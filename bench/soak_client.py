@@ -9,84 +9,34 @@ hold answers ``history_mismatch``. Each client sticks to a replica and moves its
 now and then (``move_prob``), and whenever its own fails, so sessions move between replicas through
 their Redis records.
 
-What a client keeps is what the checks compare (``bench.soak_checks``): per session the turns it
-was acknowledged (message, reply, the session's token ids read back right after), the turn it sent
-last and never saw acknowledged, and whether it deleted the session.
+Redis may lose its last writes (a crash under ``appendfsync everysec``, a failover to a lagging
+replica): the server then answers ``session_diverged`` once, or (nobody holding the lost turns any more)
+every replica keeps answering ``history_mismatch``. The client then reads the session's history back,
+counts the acknowledged turns it lacks as lost (a violation where the turn was acknowledged durable:
+``done.storage.durable``) and goes on from the history as it stands (``bench.soak_checks.reconcile``).
+A turn that failed half-way (refused when the host tier filled, or an engine error) stays in the history
+with what it had generated, flagged: its retry answers ``history_mismatch``, and the client, finding its
+history and then that turn there, goes on from it at once.
+
+What a client keeps (``bench.soak_log``) is what the checks compare (``bench.soak_checks``): per session
+the turns it was acknowledged (message, reply, what its save gave, the session's token ids read back right
+after), the turns it lost and was told of, the turn it sent last and never saw acknowledged, and whether
+(and how durably) it deleted the session.
 """
 from __future__ import annotations
 
 import asyncio
 import random
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import httpx
 
-from bench.soak_checks import Acked
+from bench.soak_checks import Acked, reconcile
+from bench.soak_log import Mismatches, Options, SessionLog, Tally, error_code, error_detail, transport_kind
 
 PROMPTS = ("Name a fruit.", "Name a colour.", "Say hello.", "Name an animal.", "Give a number.",
            "Name a city.", "Say yes or no.", "Name a tree.")
-KINDS = {"session_busy": "busy"}  # error codes reported under a shorter name
-MISMATCH_GIVE_UP_S = 20.0  # a history the replicas keep refusing this long: the session diverged
 NOT_FOUND_GIVE_UP = 3  # a live session every replica tried calls unknown this many times: lost
-
-
-@dataclass
-class Options:
-    model: str
-    mode: str = "tiered"
-    max_tokens: int = 4
-    turns: tuple[int, int] = (3, 20)  # turns of a session before its client deletes it
-    move_prob: float = 0.25
-    think_s: float = 0.2
-    timeout_s: float = 120.0
-
-
-@dataclass
-class SessionLog:
-    sid: str
-    token: str
-    client: int
-    turns: list[Acked] = field(default_factory=list)
-    in_doubt: str | None = None  # the message of a turn sent and never acknowledged
-    deleted: bool = False
-    delete_in_doubt: bool = False
-    gave_up: str | None = None  # why the client stopped using it before deleting it
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"x-session-id": self.sid, "x-session-token": self.token}
-
-    def history(self) -> list[dict[str, str]]:
-        out: list[dict[str, str]] = []
-        for t in self.turns:
-            out += [{"role": "user", "content": t.content}, {"role": "assistant", "content": t.reply}]
-        return out
-
-
-@dataclass
-class Tally:
-    """What all clients did: turns acknowledged, attempts failed by kind, deletes and sessions."""
-
-    turns_done: int = 0
-    turns_failed: Counter = field(default_factory=Counter)
-    requests_failed: Counter = field(default_factory=Counter)  # creates, deletes, read-backs
-    deletes: int = 0
-    sessions_created: int = 0
-    replayed: int = 0  # turns acknowledged on a retry (the first attempt's answer was lost)
-
-
-def error_code(response: httpx.Response) -> str:
-    try:
-        code = response.json()["error"]["code"]
-    except Exception:  # not our error body
-        code = f"http_{response.status_code}"
-    return KINDS.get(code, code)
-
-
-def transport_kind(exc: httpx.TransportError) -> str:
-    return "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
 
 
 class Client:
@@ -153,13 +103,16 @@ class Client:
         return None
 
     async def turn(self, s: SessionLog, drain_at: float) -> bool:
-        """One turn, sent until acknowledged; False when the client gave up on it (it stays in doubt)."""
-        k = len(s.turns)
+        """One turn, sent until acknowledged, or until the session's history was read back after Redis lost
+        writes (the next turn goes on from it); False when the client gave up on it (it stays in doubt)."""
+        k = s.begun
+        s.begun += 1
         content = f"{self.rng.choice(PROMPTS)} (turn {k})"
+        s.sent[content] = None
         body = {"model": self.opts.model, "messages": [*s.history(), {"role": "user", "content": content}],
                 "max_tokens": self.opts.max_tokens, "temperature": 0}
         headers = {**s.headers, "idempotency-key": f"{s.sid}:{k}"}
-        attempt, mismatch_since, not_found = 0, None, 0
+        attempt, not_found, mismatch, failures = 0, 0, Mismatches(), []
         while time.monotonic() < drain_at:
             url = self._pick(attempt == 0)
             attempt += 1
@@ -167,26 +120,26 @@ class Client:
                 r = await self.http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
             except httpx.TransportError as exc:
                 self.tally.turns_failed[transport_kind(exc)] += 1
+                failures.append(transport_kind(exc))
                 self._away()
                 await self._backoff(attempt)
                 continue
             if r.status_code == 200:
-                reply = r.json()["choices"][0]["message"]["content"]
-                turn = Acked(k, content, reply)
-                s.turns.append(turn)
-                s.in_doubt = None
-                self.tally.turns_done += 1
-                self.tally.replayed += attempt > 1
-                turn.token_ids = await self.read_ids(s, url)
+                self._acknowledged(s, k, content, r, attempt, failures)
+                s.turns[-1].token_ids = await self.read_ids(s, url)
                 return True
             kind = error_code(r)
             self.tally.turns_failed[kind] += 1
+            failures.append(error_detail(r))
             s.in_doubt = content
+            if kind == "session_diverged":  # said once: the store lost turns another replica went on without
+                self.tally.diverged_told += 1
+                return await self.read_back(s, url, k, drain_at)
             if kind == "history_mismatch":
-                mismatch_since = mismatch_since or time.monotonic()
-                if time.monotonic() - mismatch_since > MISMATCH_GIVE_UP_S:
-                    s.gave_up = "diverged"
-                    return False
+                if await self.went_on(s, url, k):
+                    return True
+                if mismatch.persists(url, len(self.urls)):
+                    return await self.read_back(s, url, k, drain_at)
                 self._away()
             elif kind == "session_not_found":
                 not_found += 1
@@ -203,20 +156,90 @@ class Client:
         s.in_doubt = content
         return False
 
-    async def read_ids(self, s: SessionLog, url: str) -> list[int] | None:
-        """The session's token ids read back from the replica that just answered (None if it cannot)."""
+    def _acknowledged(self, s: SessionLog, k: int, content: str, r: httpx.Response, attempts: int,
+                      failures: list[str]) -> None:
+        answer = r.json()
+        storage = answer.get("storage") or {}  # absent on an answer given again from a record
+        durability = storage.get("durability", "unknown")
+        usage = answer.get("usage") or {}
+        s.turns.append(Acked(k, content, answer["choices"][0]["message"]["content"], durability=durability,
+                             durable=bool(storage.get("durable")), replica=r.headers.get("x-replica"),
+                             at=time.monotonic(), attempts=attempts, failures=failures,
+                             usage=(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))))
+        s.sent[content] = s.turns[-1].reply
+        s.in_doubt = None
+        self.tally.turns_done += 1
+        self.tally.replayed += attempts > 1
+        self.tally.acks[durability] += 1
+
+    async def _export(self, s: SessionLog, url: str) -> httpx.Response | None:
+        """``GET /v1/sessions/{id}/export`` on ``url``; None (counted) where it did not answer."""
         try:
-            r = await self.http.get(f"{url}/v1/sessions/{s.sid}/export", headers={"x-session-token": s.token})
+            return await self.http.get(f"{url}/v1/sessions/{s.sid}/export", headers={"x-session-token": s.token})
         except httpx.TransportError as exc:
             self.tally.requests_failed[transport_kind(exc)] += 1
             return None
-        if r.status_code != 200:
+
+    async def read_ids(self, s: SessionLog, url: str) -> list[int] | None:
+        """The session's token ids read back from the replica that just answered (None if it cannot)."""
+        r = await self._export(s, url)
+        if r is not None and r.status_code != 200:
             self.tally.requests_failed[error_code(r)] += 1
-            return None
-        return r.json()["token_ids"]
+        return r.json()["token_ids"] if r is not None and r.status_code == 200 else None
+
+    async def read_back(self, s: SessionLog, url: str, k: int, drain_at: float) -> bool:
+        """Read the session's history back and go on from it (``reconcile``): the acknowledged turns it
+        lacks are lost (a violation if any was durable), the turn in doubt kept if it ran. False when it
+        cannot be read (the turn stays in doubt) or the session is gone."""
+        attempt = 0
+        while time.monotonic() < drain_at:
+            attempt += 1
+            r = await self._export(s, url)
+            if r is not None and r.status_code == 200:
+                break
+            if r is not None:
+                self.tally.requests_failed[error_code(r)] += 1
+                if r.status_code == 404:  # nobody holds it any more: the checks weigh what it had
+                    s.gave_up = "not_found"
+                    return False
+            self._away()
+            url = self.urls[self.home]
+            await self._backoff(attempt)
+        else:
+            return False
+        self._go_on(s, r.json(), k)
+        return True
+
+    async def went_on(self, s: SessionLog, url: str, k: int) -> bool:
+        """Whether the history holds every acknowledged turn and then the turn in doubt (it ran, and failed
+        half-way or lost its answer; a failed one stays, flagged): then the client goes on from it at once,
+        nothing lost. Else the mismatch is a store that lost writes, or a holder out of reach: wait."""
+        r = await self._export(s, url)
+        if r is None or r.status_code != 200:
+            return False
+        data = r.json()
+        found = reconcile(s.turns, data["messages"], s.in_doubt, k, s.sent)
+        if found.lost or found.foreign or found.returned or found.adopted is None:
+            return False
+        self._go_on(s, data, k)
+        return True
+
+    def _go_on(self, s: SessionLog, data: dict, k: int) -> None:
+        """Take the history read back (``data``, an export) as the session's (``reconcile``), counting what
+        the client lost."""
+        found = reconcile(s.turns, data["messages"], s.in_doubt, k, s.sent)
+        if found.adopted is not None and not found.foreign and not found.returned:
+            found.adopted.token_ids = data["token_ids"]
+        s.turns, s.in_doubt = found.turns, None
+        s.lost += found.lost
+        s.foreign += len(found.foreign)
+        s.returned += len(found.returned)
+        self.tally.reconciles += 1
+        self.tally.lost_durable += len(found.lost_durable)
+        self.tally.lost_not_durable += len(found.lost) - len(found.lost_durable)
 
     async def delete(self, s: SessionLog, drain_at: float) -> None:
-        """Delete until answered 204, or 404 after an attempt that may have deleted it."""
+        """Delete until answered 204, or 404 everywhere after an attempt that may have deleted it."""
         attempt, maybe = 0, False
         while time.monotonic() < drain_at:
             url = self._pick(attempt == 0)
@@ -229,16 +252,36 @@ class Client:
                 self._away()
                 await self._backoff(attempt)
                 continue
-            if r.status_code == 204 or (r.status_code == 404 and maybe):
-                s.deleted = True
-                self.tally.deletes += 1
+            if r.status_code == 204:  # how durably the tombstone was written
+                self._deleted(s, r.headers.get("x-rkv-durability", "unknown"))
                 return
             kind = error_code(r)
             self.tally.requests_failed[kind] += 1
-            if r.status_code == 404:  # a live session nobody deleted answers as unknown: the checks see it
-                s.gave_up = "not_found"
+            # A 404 from a replica that lacks the session (its only copy on another, cut off from Redis) says
+            # nothing: it counts once every replica says so, as deleted after an attempt that may have done it
+            # (how durably unknown), else as a live session nobody deleted answering unknown (the checks see it).
+            if r.status_code == 404 and await self._unknown_everywhere(s):
+                if maybe:
+                    self._deleted(s, "unknown")
+                else:
+                    s.gave_up = "not_found"
                 return
-            maybe = maybe or r.status_code >= 500
+            maybe = maybe or (r.status_code >= 500 and kind != "store_unavailable")  # that one deleted nothing
             self._away()
             await self._backoff(attempt)
         s.delete_in_doubt = True
+
+    def _deleted(self, s: SessionLog, durability: str) -> None:
+        s.deleted, s.delete_durability = True, durability
+        self.tally.deletes += 1
+        self.tally.deletes_by_durability[durability] += 1
+
+    async def _unknown_everywhere(self, s: SessionLog) -> bool:
+        for url in self.urls:
+            try:
+                r = await self.http.get(f"{url}/v1/sessions/{s.sid}", headers={"x-session-token": s.token})
+            except httpx.TransportError:
+                return False
+            if r.status_code != 404:
+                return False
+        return True

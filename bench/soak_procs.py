@@ -1,6 +1,6 @@
-"""The processes of ``bench soak``: a private ``redis-server`` with AOF on, and chat replicas, each
-``rocketkv-mt serve --no-ray`` in a process of its own on a loopback port, started, killed (SIGKILL,
-as when a machine dies) and started again on the same port.
+"""The chat replicas of ``bench soak``, each ``rocketkv-mt serve --no-ray`` in a process of its own on a
+loopback port, started, killed (SIGKILL, as when a machine dies) and started again on the same port
+(``bench.soak_fleet`` runs them in network namespaces; ``bench.soak_redis`` runs their Redis).
 
 Standard library and ``httpx`` only: nothing here loads a model; the replicas do.
 """
@@ -33,62 +33,6 @@ def _tail(path: Path, chars: int = 3000) -> str:
         return path.read_text(errors="replace")[-chars:]
     except OSError:
         return ""
-
-
-class RedisProcess:
-    """``redis-server`` on a free loopback port, AOF on in ``dir``, a child of this process.
-
-    ``stop`` is a ``SHUTDOWN`` (the AOF is flushed first); ``start`` again on the same port and dir
-    loads it back, as a Redis restarted by its operator would.
-    """
-
-    def __init__(self, dir: Path, binary: str = "redis-server"):
-        self.dir = Path(dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.binary = binary
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def client(self, timeout: float = 5.0):
-        import redis
-
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=timeout, socket_timeout=timeout)
-
-    def start(self, timeout: float = 30.0) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--appendonly", "yes", "--save", "", "--logfile", str(self.dir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(Exception):
-                if self.client(1.0).ping():
-                    return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start: {_tail(self.dir / 'redis.log')}")
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 60.0) -> None:
-        """``SHUTDOWN`` (AOF flushed), then wait for the process to end; SIGKILL only if it will not."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(Exception):  # the connection drops as it shuts down
-            self.client().shutdown()
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def restart(self, down_s: float) -> None:
-        self.stop()
-        time.sleep(down_s)
-        self.start()
 
 
 class ReplicaProcess:
@@ -157,43 +101,3 @@ class ReplicaProcess:
         time.sleep(down_s)
         self.spawn()
         self.wait_healthy()
-
-
-class Cluster:
-    """The private Redis and the replicas of one soak run, under ``dir``; a ``with`` block stops them all."""
-
-    def __init__(self, dir: Path, replicas: int, env: dict[str, str], namespace: str = "rkv"):
-        self.dir = Path(dir)
-        self.namespace = namespace
-        self.redis = RedisProcess(self.dir / "redis")
-        env = {**env, "RKV_REDIS_URL": self.redis.url, "RKV_REDIS_NAMESPACE": namespace}
-        self.replicas = [ReplicaProcess(f"r{i}", env, self.dir / f"r{i}.log") for i in range(replicas)]
-
-    @property
-    def urls(self) -> list[str]:
-        return [r.url for r in self.replicas]
-
-    def start(self) -> None:
-        self.redis.start()
-        for replica in self.replicas:  # all load their model at once
-            replica.spawn()
-        for replica in self.replicas:
-            replica.wait_healthy()
-
-    def close(self) -> None:
-        for replica in self.replicas:
-            with contextlib.suppress(Exception):
-                replica.stop()
-        with contextlib.suppress(Exception):
-            self.redis.stop()
-
-    def __enter__(self) -> "Cluster":
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -155,12 +155,29 @@ def add_bench_parser(sub) -> None:
 
 
 def add_soak_parser(bench) -> None:
-    p = bench.add_parser("soak", help="a private Redis (AOF) and replica processes under sessions, deletes, replica "
-                         "kills and a Redis restart; then checks histories, deletes, Redis keys and host slots "
-                         "(exits 1 on a violation)")
+    p = bench.add_parser("soak", help="a Redis topology and replica processes under sessions, deletes and faults "
+                         "(replica kills, Redis crashes and failovers, a replica cut off from Redis, slowed or "
+                         "paused); then checks histories, deletes, replies against a reference run, Redis keys "
+                         "and host slots (exits 1 on a violation)")
     p.add_argument("--duration", type=float, default=600.0, help="seconds the clients run")
     p.add_argument("--sessions", type=int, default=32, help="clients, each with one session at a time")
     p.add_argument("--replicas", type=int, default=2, help="replica processes")
+    p.add_argument("--topology", choices=("single", "sentinel", "cluster"), default="single", help="one redis-server; "
+                   "a primary and a replica behind three Sentinels; a Cluster of three masters with a replica each")
+    p.add_argument("--faults", default=None, help="comma list of kill, crash, failover, cut, slow, pause (default: "
+                   "all that apply; no failover on a single Redis; cut and slow need network namespaces)")
+    p.add_argument("--fault-every", type=float, default=60.0,
+                   help="seconds between faults, one at a time, the kinds and the replicas in turn (0: none)")
+    p.add_argument("--replica-down-s", type=float, default=2.0, help="seconds a killed replica stays down")
+    p.add_argument("--cut-s", type=float, default=45.0, help="seconds a replica is cut off from Redis")
+    p.add_argument("--slow-s", type=float, default=30.0, help="seconds a replica's Redis is slow")
+    p.add_argument("--slow-delay-s", type=float, default=0.2, help="delay before every chunk to and from its Redis")
+    p.add_argument("--pause-s", type=float, default=40.0, help="seconds a replica is frozen (SIGSTOP)")
+    p.add_argument("--pending-ttl-s", type=int, default=90, help="the replicas' RKV_REDIS_PENDING_TTL_S (>= 10)")
+    p.add_argument("--min-replicas", type=int, default=None, help="the replicas' RKV_REDIS_MIN_REPLICAS (default: 1 "
+                   "for sentinel and cluster, 0 single)")
+    p.add_argument("--netns", choices=("auto", "on", "off"), default="auto", help="each replica in a network "
+                   "namespace, its Redis traffic through a proxy (needs root)")
     p.add_argument("--mode", default="tiered", help="cache mode of the sessions")
     p.add_argument("--model", default=None, help="the replicas' model (default: the bundled SmolLM2-135M)")
     p.add_argument("--budget", type=int, default=32, help="the replicas' RocketKV token budget")
@@ -169,23 +186,17 @@ def add_soak_parser(bench) -> None:
     p.add_argument("--session-turns", default="3-20", help="MIN-MAX turns of a session before its client deletes it")
     p.add_argument("--move-prob", type=float, default=0.25, help="chance a turn goes to another replica than the last")
     p.add_argument("--think-s", type=float, default=0.2, help="most seconds a client waits between turns")
-    p.add_argument("--restart-every", type=float, default=60.0,
-                   help="seconds between replica restarts (kill -9, then start again; 0: none)")
-    p.add_argument("--replica-down-s", type=float, default=2.0, help="seconds a killed replica stays down")
-    p.add_argument("--redis-restart-at", type=float, default=0.5,
-                   help="when Redis is shut down and started again on its AOF, as a fraction of --duration (0: never)")
-    p.add_argument("--redis-down-s", type=float, default=5.0, help="seconds Redis stays down")
-    p.add_argument("--settle-s", type=float, default=10.0,
-                   help="seconds after a restart before the next one may start")
-    p.add_argument("--settle-max-s", type=float, default=120.0,
-                   help="most seconds a restart waits for every replica to have saved what Redis missed")
-    p.add_argument("--kill-unsaved", action="store_true",
-                   help="do not wait for that: a replica may die holding turns acknowledged while Redis was down")
+    p.add_argument("--settle-s", type=float, default=10.0, help="seconds after a fault before the next one may start")
+    p.add_argument("--settle-max-s", type=float, default=120.0, help="most seconds a fault waits for the replicas")
+    p.add_argument("--kill-unsaved", action="store_true", help="do not wait for the replicas to have saved what Redis "
+                   "missed: a replica may die holding turns acknowledged as not saved")
+    p.add_argument("--reference", choices=("surviving", "all", "off"), default="surviving", help="replay these "
+                   "sessions on a fresh replica and compare replies (all: deleted ones too, as acknowledged)")
     p.add_argument("--drain", type=float, default=60.0, help="seconds a turn or delete under way at the end may retry")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     p.add_argument("--namespace", default="soak", help="the replicas' Redis key namespace")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dir", default=None, help="folder of Redis' AOF and the replicas' logs (default: a temporary one)")
+    p.add_argument("--dir", default=None, help="folder of Redis' files and the replicas' logs (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder")
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar or event lines")

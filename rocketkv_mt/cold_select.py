@@ -7,7 +7,7 @@ the device already holds (primary set and the new turn), so exp(bound - lse_devi
 query's share of any token of the page; summed over the window and the query heads of the KV group,
 it bounds the page's best Stage-1 score. The pages with the highest bounds are fetched.
 
-With a key sketch (``tiers.key_sketch``) every cold token has an estimated key, so Stage 1 can be
+With a key sketch (``tiers.cold.key_sketch``) every cold token has an estimated key, so Stage 1 can be
 run as ``exhaustive`` runs it, over the device's keys and the sketched tokens of a pool of pages
 (those whose bounds rank highest), without a page read: the pages holding the tokens that choice keeps are fetched first (``page_picks``), then the pages
 whose sketched tokens carry the most window mass. Stage 1 then chooses again, exactly, over what was
@@ -27,7 +27,7 @@ import torch
 from rocketkv_mt import dispatch
 from rocketkv_mt.pool_mass import CAP
 from rocketkv_mt.split_attention import Part, window_probs
-from tiers.cold_layer import padded_indices
+from tiers.cold.table import padded_indices
 
 
 def page_bounds(q_win: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -5,7 +5,7 @@ and reads back only the pages Stage 1's choice needs. An ``exhaustive`` turn att
 cold token; a digest turn's tokens attend over what it read, so where an unread page carries much
 of a window row's softmax mass, the row misses both that mass and that page's values. Measured, a
 turn needs those values token by token: a page's mean value in their place blurs the one token a
-question turns to. So each page also keeps a value sketch (``tiers.cold_layer``), and the unread
+question turns to. So each page also keeps a value sketch (``tiers.cold.layer``), and the unread
 pool pages carrying the most window mass (``PoolScores.mass``) stand in: the turn attends over their
 sketched keys and values beside the pages it read (a few bits a channel of each, not the page),
 and they weigh in Stage 1's scores through the normaliser, but hold no slot Stage 1 may choose.

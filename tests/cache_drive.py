@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rocketkv_mt.cache import CacheSpec, TierContext, TierPolicy
-from tiers.host import HostTier
+from tiers.host.tier import HostTier
 
 SPEC = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.float32, device=torch.device("cpu"),
                  kernels="torch")

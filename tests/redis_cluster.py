@@ -22,6 +22,8 @@ import time
 import pytest
 from serving_helpers import free_port
 
+from tiers.store.redis.keys import owner_key
+
 NODE_TIMEOUT_MS = 1000
 
 
@@ -145,10 +147,10 @@ def local_cluster(dir):
 
 
 def namespace_on_one_node(cluster: RedisCluster, prefix: str) -> str:
-    """A fresh key namespace whose cross-session keys (the listing index, the replicas' totals) sit on one
-    node, so that a test can kill another and know what must still answer."""
+    """A fresh key namespace whose cross-session keys (the listing index of sessions without an owner, the
+    replicas' totals) sit on one node, so that a test can kill another and know what must still answer."""
     for _ in range(1000):
         ns = f"{prefix}-{secrets.token_hex(3)}"
-        if cluster.node_of(f"{ns}:sessions") == cluster.node_of(f"{ns}:replicas"):
+        if cluster.node_of(owner_key(ns, None)) == cluster.node_of(f"{ns}:replicas"):
             return ns
     raise RuntimeError("no namespace puts the index and the replicas' totals on one node")

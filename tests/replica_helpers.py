@@ -2,7 +2,7 @@
 small model, ``tiered``), sharing one Redis namespace, as replicas of one deployment do."""
 from __future__ import annotations
 
-from app.chat_service import ChatService
+from app.chat_service import ChatService, StoragePolicy
 from app.contract.events import Done
 from app.contract.ids import new_session_id
 from app.session_store import SessionStore
@@ -10,9 +10,15 @@ from app.session_store import SessionStore
 LONG = "The lighthouse keeper wrote about the storm, the gulls and the ships that passed by. " * 6
 
 
-def replica(make_engine, url: str, ns: str, name: str) -> ChatService:
-    engine = make_engine(mode="tiered", token_budget=32, redis_url=url, redis_namespace=ns, page_tokens=8)
-    return ChatService(engine, name, SessionStore(engine.redis.client, ns))
+def replica(make_engine, url: str, ns: str, name: str, policy: StoragePolicy | None = None,
+            **settings) -> ChatService:
+    """A replica as the server makes one (``settings``: more of ``Settings``; ``policy``: the service's
+    ``StoragePolicy``); its store leaves KV pending as long as its engine's tier does
+    (``redis_pending_ttl_s``)."""
+    engine = make_engine(**{"mode": "tiered", "token_budget": 32, "redis_url": url, "redis_namespace": ns,
+                            "page_tokens": 8, **settings})
+    store = SessionStore.configured(engine.redis.client, engine.settings, lambda: engine.store_config)
+    return ChatService(engine, name, store, policy=policy)
 
 
 async def events_of(service: ChatService, sid: str, token: str, text: str, key: str | None = None) -> list:

@@ -148,14 +148,17 @@ def server_process(*args: str, env: dict | None = None, timeout: float = 120):
 
 
 class RedisServer:
-    """A private ``redis-server`` on a free port (AOF on, in ``dir``), to stop and restart in fault tests.
+    """A private ``redis-server`` on a free port (AOF on, in ``dir``), to stop and restart in fault tests;
+    ``aof=False``: none, so that it starts from its RDB file alone (a snapshot copied there is its state).
 
     Never the shared instance: stopping that would break everyone else's tests.
     """
 
-    def __init__(self, dir: str):
+    def __init__(self, dir: str, aof: bool = True, extra: tuple[str, ...] = ()):
         self.dir = str(dir)
         self.port = free_port()
+        self.aof = aof
+        self.extra = extra  # more redis-server arguments (a managed Redis's renamed CONFIG, say)
 
     @property
     def url(self) -> str:
@@ -169,7 +172,8 @@ class RedisServer:
     def start(self) -> None:
         subprocess.run(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "yes",
+             *(["--appendonly", "yes", "--appendfsync", "always"] if self.aof else ["--appendonly", "no"]),
+             "--save", "", "--daemonize", "yes", *self.extra,
              "--pidfile", os.path.join(self.dir, "redis.pid"), "--logfile", os.path.join(self.dir, "redis.log")],
             check=True,
         )

@@ -20,11 +20,10 @@ def batch_nbytes(batch: PageBatch) -> int:
 
 @dataclass
 class TierStats:
-    """Counters of one tier. promotions: entries moved up (colder -> this tier); demotions: moved in from
-    a warmer tier; spills: entries this tier pushed to a colder one; hits/misses: reads served or not.
-    bytes_read: payload bytes read out of this tier (all sessions; for the host tier that includes
-    pages just brought back from Redis for the read). bytes_written: payload bytes written in from a
-    warmer tier (the device's demotions, or the host's spills and persistence into Redis)."""
+    """Counters of one tier. promotions: entries moved up (colder -> this tier); demotions: moved in from a
+    warmer tier; spills: pushed to a colder one; hits/misses: reads served or not. bytes_read: payload
+    read out (all sessions; the host tier's include pages just brought back from Redis for the read);
+    bytes_written: payload written in from a warmer tier (demotions, or the host's spills and persists)."""
 
     bytes: int = 0
     entries: int = 0
@@ -43,13 +42,11 @@ class TierStats:
 
 @dataclass
 class Traffic:
-    """Bytes one session's cache moved between tiers (per turn, reset by the cache at a turn's start).
-
+    """Bytes one session's cache moved between tiers in a turn (the cache resets it at a turn's start).
     cold_bytes_read: page bytes handed to the device from the cold tiers (host hits and Redis reads);
-    redis_bytes_read: the part of it that came from Redis; digest_bytes_read: page digests scored;
-    bytes_demoted: page bytes written from the device into the host tier; redis_bytes_written: bytes
-    this session wrote to Redis (its pages, its primary set and its index, at persistence).
-    """
+    redis_bytes_read: the part of it from Redis; digest_bytes_read: page digests scored; bytes_demoted:
+    page bytes written from the device into the host tier; redis_bytes_written: bytes this session wrote
+    to Redis at persistence (its pages, primary set and index)."""
 
     cold_bytes_read: int = 0
     redis_bytes_read: int = 0

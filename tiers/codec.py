@@ -1,7 +1,6 @@
 """How a page's keys and values are stored in the cold tiers: as they are, or as int8 with scales.
-
-Shapes: n pages, P tokens per page, d head dim. ``encode`` takes keys/values (n, P, d) and returns the
-page batch the tiers store; ``decode`` gives keys/values (n, P, d) back in the model's dtype.
+``encode`` takes keys/values (n pages, P tokens, d head dim) and returns the page batch the tiers store;
+``decode`` gives keys/values (n, P, d) back in the model's dtype.
 """
 from __future__ import annotations
 

@@ -1,38 +1,22 @@
-"""One session's KV in Redis, by generation: the one owner of how it is written, read back, committed
-and collected (a deleted session's keys go by its manifest, ``RedisTier.delete_session``). The cache
-policies that keep cold pages call ``write`` and ``read``/``adopt``; the engine calls ``committed`` or
-``abandoned`` when the session's record has settled.
+"""One session's KV in the store, by generation: how it is written, read back and settled (the cache
+calls ``write``, ``read`` and ``adopt``; the engine ``committed`` or ``abandoned`` once the record settled).
 
-A persist writes a new generation: first the pages Redis lacks (pages never change, so generations
-share them), then the generation's own page tables and primary sets, ``<gen>.index-l<i>`` and
-``<gen>.primary-l<i>``. The session's record then names it (``ref``: ``{"gen", "layers"}``) in its
-compare-and-set, the one commit point: a record never names bytes written after it, and a restore
-reads exactly the generation its record names, all or nothing. A generation whose record did not
-commit is removed (``abandoned``); once one commits, the generations before it and the copies of pages
-freed since are collected (``committed``). After a move, the new holder's first commit also clears
-what earlier holders left: keys in the manifest that nothing here names (what a holder that crashed,
-or lost the session, wrote after its last commit). Not before: until that commit, the holder it was
-restored from may still be saving, and its save may yet win. (Every first commit in a process sweeps: a
-restore's, and that of a session made here, whose manifest holds only its own names.) A restore takes
-over the pages it adopts (``RedisTier.own``). A holder that dies with no commit after
-it (a replica killed mid-turn on a session no one saves again) leaves its keys to ``sweep_dead_writer``:
-once its liveness lapses, another process deletes what it wrote last that the record does not name.
-
-Lifetimes: the record's TTL is renewed by every save; a generation's keys are written with a quarter
-TTL more, and the pages it shares with earlier ones are checked and renewed by a save at least a
-quarter TTL after they last were (and by every read). So KV outlives the record naming it.
+A persist writes a new generation in one round trip: the pages the store lacks (pages never change, so
+generations share them) and its own page tables and primary sets, group ``g<gen>``. The session's record
+names it (``ref``: gen, layers, each group with its item count) in its commit, the one commit point
+(``app.session_store``): a record never names bytes written after it, and a restore reads exactly the
+generation its record names, all or nothing. A generation whose record did not commit loses its tables;
+its pages stay pending, renewed while this process holds the cache that needs them.
 """
 from __future__ import annotations
 
 import secrets
+from collections import Counter
 from dataclasses import dataclass
 
 from tiers.base import PageBatch, batch_nbytes
-from tiers.cold_layer import page_names
-from tiers.host import HostTier
-from tiers.keys import table_names, tables_of
-
-__all__ = ["SessionKV", "StoredLayer", "table_names", "valid_ref"]
+from tiers.host.tier import HostTier
+from tiers.store.protocol import group_of
 
 
 @dataclass(frozen=True)
@@ -49,114 +33,82 @@ class KVNotWritten(RuntimeError):
     """A generation's writes failed (what they wrote was removed): the record goes without KV for now."""
 
 
-def valid_ref(ref: dict) -> tuple[str, int] | None:
-    """A record's generation reference as (gen, layers), or None where it is not one."""
-    gen, layers = ref.get("gen"), ref.get("layers")
-    if isinstance(gen, str) and gen.isalnum() and isinstance(layers, int) and layers > 0:
-        return gen, layers
+def table_names(gen: str, layers: int) -> list[str]:
+    """The items of a generation's group: each layer's page table and primary set."""
+    return [f"g{gen}/{part}{i}" for i in range(layers) for part in ("index", "primary")]
+
+
+def valid_ref(ref: dict) -> tuple[str, int, dict[str, int]] | None:
+    """A record's generation reference as (gen, layers, groups), or None where it is not one."""
+    gen, layers, groups = ref.get("gen"), ref.get("layers"), ref.get("groups")
+    if (isinstance(gen, str) and gen.isalnum() and isinstance(layers, int) and layers > 0 and isinstance(groups, dict)
+            and all(isinstance(g, str) and isinstance(n, int) and n > 0 for g, n in groups.items())):
+        return gen, layers, groups
     return None
 
 
 class SessionKV:
     def __init__(self, host: HostTier, session_id: str):
-        self.host, self.sid, self.redis = host, session_id, host.redis
+        self.host, self.sid, self.store = host, session_id, host.store
 
-    @property
-    def available(self) -> bool:
-        return self.redis is not None
+    available = property(lambda self: self.store is not None)
 
     def write(self, layers: list[StoredLayer]) -> tuple[dict, int] | None:
         """Write a new generation: (its reference, for the record; bytes written), or None when a write
         failed (what it wrote is then removed, as for a record that did not commit)."""
-        if self.redis is None:
+        if self.store is None:
             return None
         gen = secrets.token_hex(6)
-        self.host.hold(self.sid, gen, len(layers), [pid for layer in layers for pid in layer.pages])
-        # Pages believed in Redis were written or checked within a quarter TTL, so their keys outlive the
-        # record by then; checking them all (an EXPIRE each: ~0.1 s for 20k pages) is kept for when that
-        # quarter has passed. A spill, which drops a host copy, always checks.
-        verify = self.host.due_renewal(self.sid, self.redis.ttl_s / 4)
-        written = 0
-        for layer in layers:
-            n = self.host.persist_many(self.sid, layer.pages, verify)
-            if n is None:
-                self.abandoned({"gen": gen, "layers": len(layers)})
-                return None
-            written += n
+        pages = [pid for layer in layers for pid in layer.pages]
+        groups = {**Counter(group_of(pid) for pid in pages), f"g{gen}": 2 * len(layers)}
+        table_bytes = sum(batch_nbytes(t) for layer in layers for t in (layer.index, layer.primary))
+        # ``bytes``: what the generation names in all, pages shared with earlier ones included (a quota's measure).
+        ref = {"gen": gen, "layers": len(layers), "groups": groups, "bytes": len(pages) * self.host.page_bytes + table_bytes}
+        self.host.locked(self.host.copies.write, self.sid, f"g{gen}", groups)
+        missing = self.host.unstored(self.sid, pages)
         tables = dict(zip(table_names(gen, len(layers)), (t for layer in layers for t in (layer.index, layer.primary))))
-        if not self.redis.put_pages(self.sid, tables):
-            self.abandoned({"gen": gen, "layers": len(layers)})
+        if missing is None or not self.store.put(self.sid, {**missing, **tables}):
+            self.abandoned(ref)
             return None
-        if verify:
-            self.host.renewed(self.sid)
-        return {"gen": gen, "layers": len(layers)}, written + sum(batch_nbytes(t) for t in tables.values())
+        self.host.stored(self.sid, missing)
+        return ref, sum(batch_nbytes(t) for t in [*missing.values(), *tables.values()])
 
     def read(self, ref: dict) -> list[tuple[PageBatch, PageBatch]] | None:
-        """The page table and primary set of each layer of the generation ``ref`` names; None when the
-        reference is malformed or any of them is missing."""
-        parsed = valid_ref(ref) if self.redis is not None else None
+        """Each layer's page table and primary set in ``ref``'s generation; None if it is malformed or one is gone."""
+        parsed = valid_ref(ref) if self.store is not None else None
         if parsed is None:
             return None
-        got = self.redis.get_pages(self.sid, table_names(*parsed))
+        got = self.store.get(self.sid, table_names(parsed[0], parsed[1]))
         if any(t is None for t in got):
             return None
         return [(got[i], got[i + 1]) for i in range(0, len(got), 2)]
 
     def adopt(self, ref: dict, pages: list[str]) -> bool:
-        """Whether Redis holds every page the generation names (their TTLs renewed on the way); if so the
-        host tier takes them as this session's, named by that generation."""
+        """Whether the store holds every group the generation names, whole (one round trip); if so the
+        host tier takes its pages as this session's."""
         parsed = valid_ref(ref)
-        found = self.redis.renew_pages(self.sid, pages) if parsed is not None and self.redis is not None else None
-        if found is None or not all(found) or not self.redis.own(self.sid, pages):
+        if parsed is None or self.store is None:
             return False
-        self.host.adopt(self.sid, parsed[0], parsed[1], pages)
+        groups = parsed[2]
+        if Counter(group_of(pid) for pid in pages) != {g: n for g, n in groups.items() if g != f"g{parsed[0]}"}:
+            return False  # the tables list other pages than the reference counts
+        sizes = self.store.sizes(self.sid, list(groups))
+        if sizes is None or any(have < groups[g] for g, have in zip(groups, sizes)):
+            return False
+        self.host.locked(self.host.copies.adopt, self.sid, f"g{parsed[0]}", groups, pages)
         return True
 
     def committed(self, ref: dict | None) -> None:
-        """The record naming ``ref`` committed: remove the generations before it and the page copies
-        nothing names now. ``None``: a record naming no KV committed, superseding every generation."""
-        parsed = valid_ref(ref) if ref is not None else (None, 0)
-        if parsed is None or self.redis is None:
-            return
-        done = self.host.commit(self.sid, parsed[0])
-        names = done.names()
-        if done.sweep:
-            names = list(dict.fromkeys(names + self._strays()))  # a collected generation's tables are strays too
-        self.redis.delete_pages(self.sid, names)
+        """The record naming ``ref`` committed (None: a record naming no KV)."""
+        parsed = valid_ref(ref) if ref is not None else None
+        if ref is None or parsed is not None:
+            stale = self.host.locked(self.host.copies.commit, self.sid, None if parsed is None else f"g{parsed[0]}")
+            if stale and self.store is not None:
+                self.store.delete(self.sid, stale)
 
     def abandoned(self, ref: dict) -> None:
-        """The record naming ``ref`` was not committed: its generation goes, and the page copies that
-        only it named."""
+        """The record naming ``ref`` was not committed: its generation's tables go."""
         parsed = valid_ref(ref)
-        if parsed is None or self.redis is None:
-            return
-        done = self.host.abandon(self.sid, parsed[0])
-        self.redis.delete_pages(self.sid, [*table_names(*parsed), *done.pages])
-
-    def names(self, ref: dict | None) -> set[str] | None:
-        """Every KV name the generation ``ref`` names (its tables and the pages they list); the empty set
-        for a record with no KV; None when its tables cannot be read (Redis failing, or one is gone)."""
-        parsed = valid_ref(ref) if isinstance(ref, dict) else None
-        if parsed is None:
-            return set()
-        tables = self.read(ref)
-        if tables is None:
-            return None
-        return set(table_names(*parsed)).union(*(page_names(layer, index) for layer, (index, _) in enumerate(tables)))
-
-    def sweep_dead_writer(self, writer: str, ref: dict | None) -> int | None:
-        """Delete what ``writer``, which no longer lives, wrote last of the session and its record (naming
-        ``ref``; None: no live record) does not name; the names deleted, or None when not done this time."""
-        named = self.names(ref)
-        return None if named is None or self.redis is None else self.redis.sweep_writer(self.sid, writer, named)
-
-    def _strays(self) -> list[str]:
-        """Names in the manifest that nothing here needs: what an earlier holder wrote after its last
-        commit, or freed without committing again (it crashed, or lost the session to this process)."""
-        names = self.redis.manifest(self.sid)
-        if names is None:
-            return []
-        pages, gens = self.host.kept(self.sid)
-        keep = pages | set(tables_of(gens))
-        return sorted(names - keep)
-
+        gone = self.host.locked(self.host.copies.abandon, self.sid, f"g{parsed[0]}") if parsed is not None else None
+        if gone is not None and self.store is not None:
+            self.store.delete(self.sid, [gone])

@@ -1,15 +1,12 @@
 """Moving cold pages towards the device off the model's critical path.
 
-One worker thread per engine does a read's host work (the gather from the pool, Redis round trips)
-while the model thread goes on computing; on CUDA the worker also issues the host-to-device copies
-(pinned source, ``non_blocking``) on a side stream, so they overlap the kernels of the main stream.
-``wait`` hands the result over: the main stream waits for the side stream's copies, and the tensors
-are recorded as in use there so the allocator does not reuse them early. A job the worker has not
-begun when its result is waited for (queued behind other work, another session's maybe) runs in the
-waiting thread instead: a wait never queues behind work it did not ask for.
-
-The host tier guards its index with a lock it never holds across a Redis call (``tiers.host``): the
-worker may write one session's demoted pages while the model thread reads another session's.
+One worker thread per engine does a read's host work (the gather from the pool, Redis round trips) while
+the model thread computes; on CUDA it also issues the host-to-device copies (pinned source,
+``non_blocking``) on a side stream, so they overlap the main stream's kernels. ``wait`` hands the result
+over: the main stream waits for the side stream's copies, and the tensors are recorded as in use there so
+the allocator does not reuse them early. A job the worker has not begun when it is waited for (queued
+behind other work, maybe another session's) runs in the waiting thread: a wait never queues behind work
+it did not ask for. The host tier lets the worker and the model thread use it at once (``tiers.host.tier``).
 """
 from __future__ import annotations
 
@@ -34,11 +31,9 @@ class Transfers:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def pays(self, overlapped_work: bool) -> bool:
-        """Whether a read should go to the worker: on CUDA always (its copies run beside the kernels
-        already queued); on a CPU only when the model thread has work to do meanwhile. With none (a
-        short turn, whose rows are all window rows), handing the read over and back costs more than
-        it saves: a 4k-token history's 21-token turn took 211 ms with the worker against 149 ms inline
-        (bundled model, 2 threads)."""
+        """Whether a read should go to the worker: on CUDA always (its copies run beside the queued kernels);
+        on a CPU only if the model thread has work meanwhile, else the hand-over costs more than it saves: a
+        4k-token history's 21-token turn (all window rows): 211 ms with it, 149 ms inline (bundled model, 2 threads)."""
         return self._stream is not None or overlapped_work
 
     def on_device_stream(self) -> bool:
@@ -46,10 +41,9 @@ class Transfers:
         return self._stream is not None
 
     def start(self, fn: Callable[[], T], reads_device: bool = False) -> "_Job":
-        """Run ``fn`` (a read that returns tensors, alone or in tuples, lists and dataclasses) on the worker
-        thread, unless a thread waits for it before the worker begins it (``wait``). ``reads_device``:
-        ``fn`` reads tensors the model thread computed, so on CUDA the side stream first waits for what
-        the current stream has queued."""
+        """Run ``fn`` (a read returning tensors, alone or in tuples, lists and dataclasses) on the worker,
+        unless ``wait`` asks for it first. ``reads_device``: ``fn`` reads tensors the model thread
+        computed, so on CUDA the side stream first waits for what the current stream has queued."""
         ready = None
         if reads_device and self._stream is not None:
             ready = torch.cuda.Event()
@@ -71,14 +65,12 @@ class Transfers:
             job.fail(exc)
 
     def wait(self, fut: "_Job") -> T:
-        """The result of a job ``start`` returned, safe to use on the current stream (re-raises the job's
-        error); run here, on the current stream, if the worker has not begun it."""
+        """A job's result, safe on the current stream (re-raises its error); run here if the worker has not begun it."""
         with torch.inference_mode():
             fut.run()
         out = fut.result()
         if self._stream is not None:
-            # The stream the job ran on (the side stream, or another thread's current one) may still be
-            # writing what it handed back: this one waits for it, and the tensors are in use here.
+            # The job's stream (the side stream, or another thread's current one) may still be writing its result.
             here = torch.cuda.current_stream(self.device)
             here.wait_event(fut.finished)
             for t in _tensors(out):
@@ -103,10 +95,9 @@ class _Job(concurrent.futures.Future):
     gets to it, or a thread that waits for it before then (``run``); or never (``discard``)."""
 
     def __init__(self, fn: Callable[[], T], cuda: bool = False):
-        """``cuda``: mark, once ``fn`` returns, where the current CUDA stream is (``finished``)."""
         super().__init__()
         self._fn = fn
-        self._cuda = cuda
+        self._cuda = cuda  # once ``fn`` returns, record where the current CUDA stream is (``finished``)
         self.finished: "torch.cuda.Event | None" = None
         self._claim = threading.Lock()
 

@@ -112,12 +112,27 @@ class SessionMoved(ChatError):
     code = "session_moved"
 
 
+class SessionDiverged(SessionMoved):
+    """Redis lost saves of the session that this replica had acknowledged (a failover to a lagging
+    replica, a crash), and another replica has since gone on from the older state: the turns after
+    the fork are lost, and the session continues from the stored state. Said once, to the next caller."""
+
+    code = "session_diverged"
+
+
 class TooManySessions(ChatError):
     code = "too_many_sessions"
 
 
+class QuotaExceeded(ChatError):
+    """The caller's API key keeps as many sessions, or as many bytes, in Redis as its quota allows."""
+
+    code = "quota_exceeded"
+
+
 class StoreUnavailable(ChatError):
-    """The session is not on this replica and Redis is unreachable."""
+    """The session is not on this replica and Redis is unreachable (or, where turns that cannot be saved
+    are refused, Redis cannot take this turn now)."""
 
     code = "store_unavailable"
 

@@ -56,6 +56,23 @@ class MapSummary:
     demoted: int = 0
 
 
+@dataclass(frozen=True)
+class Saved:
+    """What a turn's save gave. ``saved``: the session's record in Redis holds the turn, so any replica
+    restores it; ``durable``: a crash of the Redis primary does not lose it either. ``durability``:
+    "none" (not saved: the turn lives in this replica's memory until Redis takes it), "memory" (in
+    Redis's memory only), "fsync" (Redis fsyncs every write, ``appendfsync always``), "replicated"
+    (``replicas`` Redis replicas took it, at least ``RKV_REDIS_MIN_REPLICAS``)."""
+
+    saved: bool
+    durable: bool
+    durability: str
+    replicas: int = 0
+
+
+NOT_SAVED = Saved(False, False, "none")
+
+
 class _Event:
     type: ClassVar[str]
 
@@ -101,6 +118,7 @@ class Done(_Event):
     ttft_ms: float = 0.0
     latency_ms: float = 0.0
     memory_map: MapSummary | None = None
+    storage: Saved | None = None  # None: no session store (no Redis)
     type: ClassVar[str] = "done"
 
 

@@ -63,7 +63,8 @@ class SessionService(Protocol):
         """Where each of the session's tokens is, per layer and KV head (``app.session_map``)."""
         ...
 
-    async def delete_session(self, sid: str, token: str | None, owner: str | None = None) -> None: ...
+    async def delete_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any] | None:
+        """Delete for good; what the delete's write promises (``Saved`` as a dict), None without a store."""
 
     async def cancel_turn(self, sid: str, token: str | None, owner: str | None = None) -> bool: ...
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -40,6 +41,7 @@ from app.engine.events import MemoryStats
 from app.engine.host_memory import HostMemory
 from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
+from app.engine.renewal import PendingRenewal
 from app.engine.replay import CacheRebuild
 from app.engine.residency import DeviceResidency
 from app.engine.session import Session
@@ -49,10 +51,11 @@ from app.settings import Settings
 from rocketkv_mt.cache import CACHE_MODES, SessionCache, TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
 from tiers.codec import make_codec, page_nbytes
-from tiers.host import HostTier
-from tiers.redis_client import RedisClient
-from tiers.redis_tier import RedisTier
+from tiers.host.tier import HostTier
 from tiers.session_kv import SessionKV
+from tiers.store.redis.client import RedisClient
+from tiers.store.redis.config import EvictingRedis, StoreConfig, read_config
+from tiers.store.redis.pages import RedisPageStore
 from tiers.transfers import Transfers
 
 log = logging.getLogger(__name__)
@@ -60,8 +63,9 @@ log = logging.getLogger(__name__)
 
 class Engine(TurnLoop, CacheRebuild, DeviceResidency):
     def __init__(self, settings: Settings, loaded: LoadedModel | None = None):
-        """``settings.redis_url`` set: the tiers spill to Redis through this process's one
-        ``RedisClient`` (``self.redis.client``), which the session records share."""
+        """``settings.redis_url`` set: the tiers spill to Redis (a ``tiers.store.protocol.PageStore``)
+        through this process's one ``RedisClient`` (``self.redis.client``), which the session records
+        share. A Redis that may evict keys is refused here (``EvictingRedis``) unless allowed."""
         self.settings = settings
         self.loaded = loaded or load_model(settings)
         self.tokenizer = self.loaded.tokenizer
@@ -70,11 +74,18 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
         self.max_context = min(settings.max_context or self.runner.max_positions, self.runner.max_positions)
         self._sessions: dict[str, Session] = {}  # changed only by create_session, adopt, drop, delete_session
         self.redis = (
-            RedisTier(RedisClient(settings.redis_url, settings.redis_timeout_s, settings.redis_retry_s),
-                      settings.redis_namespace, settings.redis_ttl_s)
+            RedisPageStore(RedisClient(settings.redis_url, settings.redis_timeout_s, settings.redis_retry_s),
+                           settings.redis_namespace, settings.redis_pending_ttl_s)
             if settings.redis_url
             else None
         )
+        self.store_config = StoreConfig()
+        if self.redis is not None:
+            try:
+                self.check_store(at_start=True)
+            except BaseException:  # refused (or unreachable): its client's loop thread goes with it
+                self.redis.close()
+                raise
         # Cold pages read while the model computes.
         self.transfers = Transfers(self.runner.device, flush_denormal=settings.flush_denormal)
         self.tier_policy = TierPolicy(
@@ -92,16 +103,35 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
         spec = self.runner.spec
         page_bytes = page_nbytes(self.tier_policy.codec, settings.page_tokens, spec.head_dim, spec.dtype)
         self.host_tier = HostTier(settings.host_tier_bytes, self.redis, page_bytes=page_bytes)
+        self.renewal = PendingRenewal(self.host_tier, settings.redis_pending_ttl_s / 4) if self.redis else None
         self.host_memory = HostMemory(self.host_tier, spec, self.tier_policy)
         self.memory_account = DeviceMemory(settings.device_budget_bytes, self.runner.spec, self.tier_policy,
                                            layered=self.runner.layerable)
         self.parking = True  # make room for a turn by parking idle sessions (else refuse it)
+        self.rebuilds: Counter = Counter()  # caches restored from their record's KV, or rebuilt
         self.admissions = AdmissionQueue()
         # One model thread: the model steps of all sessions run there, batched (app/engine/batcher.py).
         self.batcher = Batcher(
             self.runner, on_step=self._after_step, prefill_chunk=settings.prefill_chunk, threads=settings.threads,
             flush_denormal=settings.flush_denormal,
         )
+
+    def check_store(self, at_start: bool = False) -> str | None:
+        """Read what Redis promises (``tiers.store.redis.config``): kept in ``store_config``; why it must
+        not hold sessions, or None. At start a refusal raises ``EvictingRedis`` (unless allowed); later
+        (Redis answering again, as after a failover) the caller refuses saves instead. Redis not
+        answering: nothing learnt (checked again when it answers)."""
+        client = self.redis.client
+        try:
+            self.store_config = client.run(read_config(client.redis, client.cluster))
+        except Exception as exc:  # noqa: BLE001 - not reachable now: checked when it answers again
+            log.warning("could not read the Redis configuration (%s: %s); checked again once it answers",
+                        type(exc).__name__, exc)
+            return None
+        refusal = None if self.settings.redis_allow_eviction else self.store_config.refusal()
+        if refusal is not None and at_start:
+            raise EvictingRedis(refusal)
+        return refusal
 
     # --- sessions ----------------------------------------------------------------------------
     @property
@@ -165,36 +195,39 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
         return session
 
     async def delete_session(self, session_id: str) -> None:
-        """Delete a session for good (its record's tombstone is the caller's): it leaves this engine at
-        once; on the model thread, after the jobs already queued for its cache, its host slots and
-        cache bookkeeping go; then, off the event loop, every KV key its manifest names."""
+        """Delete a session for good (its record's tombstone, which deletes the KV the record names, is the
+        caller's): it leaves this engine at once; on the model thread, after the jobs already queued for its
+        cache, its host slots and what it wrote that no record names go."""
         if self.get_session(session_id).busy:
             raise SessionBusy("the session is generating; cancel it first")
         await self.purge(session_id)
 
-    async def purge(self, session_id: str) -> bool:
-        """``delete_session`` of a session whether or not this engine holds it (deleted elsewhere).
-        False when Redis failed to remove its keys."""
+    async def purge(self, session_id: str) -> None:
+        """``delete_session`` of a session whether or not this engine holds it (deleted elsewhere)."""
         session = self._sessions.pop(session_id, None)
         self.memory_account.forget(session_id)
 
         def let_go() -> None:
-            self.host_tier.forget_session(session_id)
+            self.host_tier.drop_session(session_id, deleted=True)
             if session is not None and session.cache is not None:
                 session.cache.release()
 
         await self.batcher.run(let_go)
-        return self.redis is None or await asyncio.to_thread(self.redis.delete_session, session_id)
 
     def distrust_kv(self, session_id: str) -> None:
-        """Redis may have lost the session's KV (its record was gone): the next persist checks every page
-        it was believed to hold, and writes again those it still has."""
-        self.host_tier.distrust(session_id)
+        """Redis may have lost the session's KV (its record was gone, or older than this copy): the next
+        persist checks every page it was believed to hold, and writes again those it still has."""
+        self.host_tier.locked(self.host_tier.copies.distrust, session_id)
+
+    async def renew_pending(self) -> int:
+        """Renew now what ``renewal`` renews every quarter of the short TTL (tests, and an operator that will
+        not wait); off the event loop. The groups renewed."""
+        return 0 if self.redis is None else await asyncio.to_thread(self.host_tier.renew_pending)
 
     async def kv_settled(self, session_id: str, kv: dict | None, committed: bool) -> None:
-        """The record that names the KV generation ``kv`` committed (older generations are collected; a
-        record with no KV supersedes them all) or did not (``kv``'s own generation is removed); off the
-        event loop, since it talks to Redis."""
+        """The record that names the KV generation ``kv`` committed (its commit also deleted what the record
+        before named and it does not; a record with no KV left that pending) or did not (``kv``'s own
+        tables are removed); off the event loop, since it talks to Redis."""
         session = self._sessions.get(session_id)
         if committed and session is not None:
             session.stored_kv = kv
@@ -228,7 +261,8 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
         """Device memory (budget, held, peak, parks, refusals) and batching figures of this engine."""
         self.memory_account.observe(list(self._sessions))
         batching = {f"batch_{k}": v for k, v in self.batcher.stats.as_dict().items()}
-        return {**self.memory_account.stats(), **self.host_memory.stats(), **batching}
+        caches = {f"caches_{k}": self.rebuilds[k] for k in ("kv_restored", "kv_restore_failed", "replayed", "reprefilled")}
+        return {**self.memory_account.stats(), **self.host_memory.stats(), **batching, **caches}
 
     def memory(self, session: Session) -> MemoryStats:
         cache = session.cache
@@ -244,6 +278,8 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
         )
 
     def close(self) -> None:
+        if self.renewal is not None:
+            self.renewal.close()
         self.batcher.close()
         self.transfers.close()
         if self.redis is not None:

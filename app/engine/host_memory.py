@@ -5,7 +5,7 @@ session unchanged) rather than half way through it.
 A turn's need is its mode's bound of the cold pages it writes (``CacheMode.cold_pages_written``) over
 every layer and KV head: nothing for the modes that keep nothing off the device. While the host tier
 can spill to Redis nothing is held (resident pages make way); with no Redis, or while its circuit is
-open, the slots must be free beside what other turns hold (``tiers.host.HostTier.reserve``).
+open, the slots must be free beside what other turns hold (``tiers.host.tier.HostTier.reserve``).
 
 Called by the engine's admission (``app.engine.residency``) and when a turn ends (``app.engine.turns``).
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from app.engine.errors import HostMemoryExhausted
 from rocketkv_mt.cache import CacheSpec, TierPolicy, TurnSize, cache_mode
-from tiers.host import HostTier
+from tiers.host.tier import HostTier
 
 if TYPE_CHECKING:
     from app.engine.session import Session

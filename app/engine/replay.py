@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -102,6 +103,7 @@ class CacheRebuild:
     settings: Settings
     batcher: Batcher
     memory_account: DeviceMemory
+    rebuilds: Counter  # caches restored from their record's KV, or rebuilt (by replay, or one prefill)
     _step: Callable[[Callable[[], T]], Awaitable[T]]
     _admit: Callable[[Session, int, int, list[Feed] | None], None]
     _rebuild_cache: Callable[[Session], SessionCache]
@@ -118,6 +120,7 @@ class CacheRebuild:
         feeds = self._replay_plan(session)
         log.warning("session %s: rebuilding its lost cache (%s)", session.id,
                     f"replaying {len(feeds)} turns" if feeds else "one prefill of the history")
+        self.rebuilds["replayed" if feeds else "reprefilled"] += 1
         cache = await self._step(lambda: self._rebuild_cache(session))
         try:
             self._admit(session, 0, max_new, feeds)

@@ -9,6 +9,7 @@ its ``_*_job`` methods run on the model thread (``Batcher``), between batched st
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 from app.engine.admission import AdmissionQueue
@@ -20,7 +21,7 @@ from app.engine.session import Feed, Session
 from app.settings import Settings
 from rocketkv_mt.cache import SessionCache
 from rocketkv_mt.config import RocketKVConfig
-from tiers.redis_tier import RedisTier
+from tiers.store.protocol import PageStore
 from tiers.session_kv import KVNotWritten
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,10 @@ class DeviceResidency:
     host_memory: HostMemory  # the host room a turn holds before it runs
     batcher: Batcher
     admissions: AdmissionQueue  # turns waiting for the device memory that turns in flight hold
-    redis: RedisTier | None
+    redis: PageStore | None
     parking: bool  # make room for a turn by parking idle sessions (else refuse it)
     new_cache: Callable[[str, RocketKVConfig, str], SessionCache]
+    rebuilds: Counter  # caches restored from their record's KV, or found incomplete
 
     async def _admit_in_turn(self, session: Session, n_new: int, max_new: int, replay: list[Feed] | None = None) -> None:
         """Hold the turn's host room (or refuse it at once), then its device memory (``_admit_device``);
@@ -132,16 +134,19 @@ class DeviceResidency:
         self.batcher.submit(lambda: self._park_job(session, cache), after=cache)
 
     def _park_job(self, session: Session, cache: SessionCache) -> None:
-        """Model thread: write the parked cache's KV to Redis where its mode can; else free its tiers."""
-        state = None
+        """Model thread: write the parked cache's KV to Redis where its mode can; else free its tiers. A
+        write that failed (Redis down) leaves its next turn to rebuild the very same cache by replay."""
+        state, fed = None, 0
         try:
             state = cache.persist() if self.redis is not None else None
-        except Exception:  # noqa: BLE001 - parking falls back to a re-prefill
+        except Exception:  # noqa: BLE001 - parking falls back to a rebuild
             log.warning("session %s: could not persist its KV for parking", session.id, exc_info=True)
+            fed = cache.history_len
         if state is None:
             cache.release()
         if session.cache is None:
             session.parked_kv = state
+            session.lost_fed = session.lost_fed or fed
         log.info("parked session %s (%s)", session.id, "KV in Redis" if state else "re-prefill at its next turn")
 
     def _persist_job(self, session: Session) -> dict | None:
@@ -167,9 +172,10 @@ class DeviceResidency:
     def _drop_if_broken(self, session: Session, cache: SessionCache) -> None:
         """Model thread, after a job on a session's cache failed: a cache the failure left half-updated
         (``SessionCache.broken``; also one whose later prefill was taken back half way) goes, so that no
-        turn runs on it. Its next turn restores it from the generation its record names (``stored_kv``),
-        where there is one, or else rebuilds it by replaying what it had been fed. One that failed with
-        nothing changed stays."""
+        turn runs on it. Its next turn restores it from the generation its record names (``stored_kv``)
+        where that is this very cache's state, or else rebuilds it by replaying what it had been fed (an
+        older generation and one prefill of the turns since would give another cache, and other replies).
+        One that failed with nothing changed stays."""
         if not cache.broken or session.cache is not cache:
             return
         log.warning("session %s: a failed change left its cache half-updated; dropped, its next turn "
@@ -177,8 +183,9 @@ class DeviceResidency:
         fed = cache.history_len
         self.memory_account.take_cache(session)
         self._release_quietly(session, cache)
-        if session.stored_kv is not None:
-            session.parked_kv = session.stored_kv
+        stored = session.stored_kv
+        if stored is not None and stored.get("history_len") == fed:
+            session.parked_kv = stored
         elif fed:
             session.lost_fed = fed
 
@@ -198,7 +205,10 @@ class DeviceResidency:
             return
         cache = self.new_cache(session.mode, session.rocket, session.id)
         state, session.parked_kv = session.parked_kv, None
-        if state is not None and not cache.restore(state):
+        restored = state is not None and cache.restore(state)
+        if state is not None:
+            self.rebuilds["kv_restored" if restored else "kv_restore_failed"] += 1
+        if state is not None and not restored:
             # Pages it names are gone (Redis lost them, or is down): the cache is lost as one whose pages
             # went missing mid-turn is, and its turn rebuilds it (``app.engine.replay``).
             log.warning("session %s: stored KV incomplete; its cache will be rebuilt", session.id)

@@ -40,7 +40,7 @@ from app.engine.session import Feed, Session, TurnStats
 from app.engine.steps import PrefillGate
 from app.settings import Settings
 from rocketkv_mt.cache import SessionCache
-from tiers.host import ChunkUnavailable, HostFull
+from tiers.host.tier import ChunkUnavailable, HostFull
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -142,6 +142,7 @@ class TurnLoop:
         generated: list[int] = []
         # Between two chunks of the prefill a cancel (or a refusal) stops the turn and undoes it.
         gate = PrefillGate(lambda: self._between_chunks(session))
+        fed = 0  # what the cache had been fed when this turn began (set once it has one)
         try:
             if session.cache is None:  # parked, restored from Redis, or after a failed step
                 await self._step(lambda: self._materialize(session))  # a restore that failed: lost
@@ -213,6 +214,8 @@ class TurnLoop:
             if failed is not None:
                 await self._step(lambda: self._release_quietly(session, failed))
             gate.undone = not generated
+            if gate.undone:  # the next turn rebuilds the very cache this one began with, by replay
+                session.lost_fed = session.lost_fed or fed
             finish = "error"
             raise self.host_memory.refuse(f"{exc}; the turn was stopped") from exc
         except Exception as exc:

@@ -25,12 +25,12 @@ from typing import Protocol
 import torch
 
 from rocketkv_mt.cache.store import LayerKV
-from tiers.residency import IN_HOST, IN_REDIS, NOWHERE, ColdResidency
+from tiers.cold.table import IN_HOST, IN_REDIS, NOWHERE, ColdResidency
 
 STATES = ("device", "host", "redis", "evicted", "unfed", "lost")
 DEVICE, HOST, REDIS, EVICTED, UNFED, LOST = range(len(STATES))
 ENCODING = "rle/1"
-# A cold page's tier code (``tiers.residency``) -> its state.
+# A cold page's tier code (``tiers.cold.table``) -> its state.
 _COLD_STATE = torch.zeros(max(IN_HOST, IN_REDIS, NOWHERE) + 1, dtype=torch.uint8)
 _COLD_STATE[IN_HOST], _COLD_STATE[IN_REDIS], _COLD_STATE[NOWHERE] = HOST, REDIS, LOST
 

@@ -19,7 +19,7 @@ from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 from rocketkv_mt.config import BudgetSplit
 from tiers.base import Traffic
-from tiers.residency import ColdResidency
+from tiers.cold.table import ColdResidency
 
 
 @dataclass(frozen=True)
@@ -251,6 +251,6 @@ class PrefillPolicy(Protocol):
         return 0
 
     def cold_residency(self, layer: int) -> ColdResidency | None:
-        """Where a layer's cold tokens are (``tiers.residency``), for the memory map; None where this
+        """Where a layer's cold tokens are (``tiers.cold.table``), for the memory map; None where this
         policy keeps no token off the device (a token it does not hold there is gone)."""
         return None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tiers.codec import PageCodec, RawCodec
-from tiers.host import HostTier
+from tiers.host.tier import HostTier
 from tiers.session_kv import SessionKV
 from tiers.transfers import Transfers
 
@@ -25,7 +25,7 @@ class TierPolicy:
     ``digest`` turn reads per KV head, as a fraction of the prompt budget. page_grouping: with ``digest``, a demotion's tokens share pages
     with the tokens whose keys are nearest (``keys``) or with their neighbours in the text
     (``position``; ``exhaustive`` reads every page, so it always pages by position). sketch_bits:
-    with ``digest``, bits per channel of every cold token's key sketch (``tiers.key_sketch``; 0: none),
+    with ``digest``, bits per channel of every cold token's key sketch (``tiers.cold.key_sketch``; 0: none),
     by which a turn runs Stage 1 over the sketched tokens of a pool of pages (``sketch_pool`` times
     the candidates, those whose bounds rank highest) before reading a page. standin: with a sketch, the
     pool pages a turn does not read join its window rows' attention through their sketched keys and

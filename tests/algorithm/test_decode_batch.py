@@ -20,7 +20,7 @@ from rocketkv_mt.cache.decode_target import DecodeTarget
 from rocketkv_mt.config import RocketKVConfig
 from rocketkv_mt.kt_cache import KTCache
 from rocketkv_mt.native import hsa as native_hsa
-from tiers.host import HostTier
+from tiers.host.tier import HostTier
 
 K = load_kernels()
 HKV, G, D, LAYERS = 2, 3, 16, 2

@@ -4,6 +4,7 @@ and the run-length wire form."""
 import secrets
 
 import pytest
+import redis
 import torch
 
 from cache_drive import SPEC, three_turns
@@ -21,9 +22,9 @@ from rocketkv_mt.cache.memory_map import (
     runs,
 )
 from rocketkv_mt.config import RocketKVConfig
-from tiers.host import HostTier
-from tiers.redis_client import RedisClient
-from tiers.redis_tier import RedisTier
+from tiers.host.tier import HostTier
+from tiers.store.redis.client import RedisClient
+from tiers.store.redis.pages import RedisPageStore
 
 ROCKET = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
 PAGE_BYTES = 8 * SPEC.head_dim * 2 * 4  # one raw float32 page: 8 tokens of one KV head, keys and values
@@ -46,15 +47,18 @@ def decode_ranges(flat: list[int], n: int) -> torch.Tensor:
 
 
 @pytest.fixture
-def redis_tier(redis_url):
-    tier = RedisTier(RedisClient(redis_url), namespace=f"rkvtest-map-{secrets.token_hex(3)}", ttl_s=600)
-    yield tier
-    tier.close()
+def page_store(redis_url):
+    store = RedisPageStore(RedisClient(redis_url), namespace=f"rkvtest-map-{secrets.token_hex(3)}")
+    yield store
+    raw = redis.Redis.from_url(redis_url)
+    for key in raw.scan_iter(match=f"{store.ns}:*"):
+        raw.delete(key)
+    store.close()
 
 
-def test_a_tiered_map_matches_the_cache_in_all_three_tiers(redis_tier, monkeypatch):
+def test_a_tiered_map_matches_the_cache_in_all_three_tiers(page_store, monkeypatch):
     # 40 host pages for about 150 cold pages: most cold pages spill to Redis.
-    host = HostTier(40 * PAGE_BYTES, redis_tier)
+    host = HostTier(40 * PAGE_BYTES, page_store)
     tiers = TierContext(host, "map-tiered", TierPolicy(page_tokens=8, read_whole=0))
     cache = make_cache("tiered", SPEC, ROCKET, tiers=tiers)
     three_turns(cache, seed=3)
@@ -63,11 +67,13 @@ def test_a_tiered_map_matches_the_cache_in_all_three_tiers(redis_tier, monkeypat
         raise AssertionError("the memory map read, wrote or renewed a page: it is bookkeeping only")
 
     # From here on no page may move or be read, in the host tier or in Redis, nor Redis be asked anything.
-    for name in ("read_many", "put_many", "free_many", "persist_many"):
+    for name in ("read_many", "put_many", "free_many", "unstored", "stored", "renew_pending"):
         monkeypatch.setattr(host, name, moved)
-    for name in ("get_pages", "put_pages", "renew_pages", "delete_pages", "manifest", "ping", "session_bytes"):
-        monkeypatch.setattr(redis_tier, name, moved)
-    monkeypatch.setattr(redis_tier, "_client", None)
+    for name in ("get", "put", "has", "sizes", "renew", "delete", "session_bytes"):
+        monkeypatch.setattr(page_store, name, moved)
+    for name in ("run", "call"):
+        monkeypatch.setattr(page_store.client, name, moved)
+    monkeypatch.setattr(page_store, "_redis", None)
     extra = 5  # a conversation longer than what was fed: the next turn's message
     mm = cache.memory_map(cache.history_len + extra)
     n = cache.history_len + extra
@@ -80,7 +86,7 @@ def test_a_tiered_map_matches_the_cache_in_all_three_tiers(redis_tier, monkeypat
             in_host, in_redis = [], []
             for page, pid in enumerate(cold.ids[head]):
                 alive = cold._alive.buf[head, page]
-                where = host.where("map-tiered", pid)
+                where = host.where_many("map-tiered", [pid])[0]
                 (in_host if where == "host" else in_redis).append(cold._pos.buf[head, page][alive])
             assert torch.equal(torch.nonzero(row == HOST).flatten(), torch.cat(in_host).sort().values)
             assert torch.equal(torch.nonzero(row == REDIS).flatten(), torch.cat(in_redis).sort().values)

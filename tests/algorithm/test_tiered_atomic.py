@@ -7,6 +7,7 @@ import secrets
 import threading
 
 import pytest
+import redis
 import torch
 
 import rocketkv_mt.cache.prefill.tiered.choice as choice
@@ -15,10 +16,10 @@ from rocketkv_mt.cache import CacheBroken, TierContext, TierPolicy, make_cache
 from rocketkv_mt.cache.decode.hsa import HSADecode
 from rocketkv_mt.cache.store import LayerKV
 from rocketkv_mt.config import RocketKVConfig
-from tiers.cold_layer import ColdLayer
-from tiers.host import HostFull, HostTier
-from tiers.redis_client import RedisClient
-from tiers.redis_tier import RedisTier
+from tiers.cold.layer import ColdLayer
+from tiers.host.tier import HostFull, HostTier
+from tiers.store.redis.client import RedisClient
+from tiers.store.redis.pages import RedisPageStore
 from tiers.transfers import Transfers
 
 ROCKET = RocketKVConfig(token_budget=32, window_size=8, kernel_size=5)
@@ -111,25 +112,27 @@ def test_a_full_host_tier_at_the_demotion_leaves_each_position_held_once(monkeyp
 
 def test_redis_failing_to_take_a_spill_leaves_each_position_held_once(redis_url):
     # A host tier of 48 pages, far fewer than the history's: every turn spills to Redis.
-    redis = RedisTier(RedisClient(redis_url), namespace=f"rkvtest-{secrets.token_hex(4)}", ttl_s=600)
-    host = HostTier(48 * PAGE_BYTES, redis, pin=False, page_bytes=PAGE_BYTES)
+    store = RedisPageStore(RedisClient(redis_url), namespace=f"rkvtest-{secrets.token_hex(4)}")
+    host = HostTier(48 * PAGE_BYTES, store, pin=False, page_bytes=PAGE_BYTES)
     try:
         cache = tiered(host)
         gen = torch.Generator().manual_seed(12)
         two_turns_then_a_prefill(cache, gen)
         assert host.stats.spills > 0
-        put_pages = redis.put_pages
-        redis.put_pages = lambda *args, **kwargs: False  # as a write that fails (timeout, connection lost)
-        with pytest.raises(HostFull, match="spilling to Redis failed"):
+        put = store.put
+        store.put = lambda *args, **kwargs: False  # as a write that fails (timeout, connection lost)
+        with pytest.raises(HostFull, match="spilling failed"):
             cache.end_turn()
         assert_held_once(cache)
         assert not cache.broken
-        redis.put_pages = put_pages  # Redis is back
+        store.put = put  # Redis is back
         turn(cache, gen, 7)
         assert_held_once(cache)
     finally:
-        redis.delete_session("atomic")
-        redis.close()
+        raw = redis.Redis.from_url(redis_url)
+        for key in raw.scan_iter(match=f"{store.ns}:*"):
+            raw.delete(key)
+        store.close()
 
 
 def test_a_choice_that_fails_on_the_page_reader_leaves_the_cache_as_it_was(monkeypatch):

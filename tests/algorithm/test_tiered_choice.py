@@ -8,7 +8,7 @@ import rocketkv_mt.cache.prefill.tiered.choice as choice
 from cache_drive import SPEC, three_turns
 from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
-from tiers.host import HostTier
+from tiers.host.tier import HostTier
 from tiers.transfers import Transfers
 
 # Never read whole: every layer takes the digest path, whose choice may be deferred.

@@ -12,8 +12,8 @@ from rocketkv_mt.cache.prefill.tiered import ReselectTiered
 from cache_drive import SPEC, forward, layer_inputs, three_turns
 from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
 from rocketkv_mt.config import RocketKVConfig
-from tiers.cold_layer import ColdLayer
-from tiers.host import HostTier
+from tiers.cold.layer import ColdLayer
+from tiers.host.tier import HostTier
 from tiers.transfers import Transfers
 
 # Every layer's cold set is small enough to be read whole.

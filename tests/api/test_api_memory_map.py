@@ -46,8 +46,7 @@ def expected_rows(service, sid: str) -> dict[tuple[int, int], list[str]]:
             row = ["unfed"] * n
             for p in range(cache.history_len):
                 row[p] = "evicted"
-            for page, pid in enumerate(cold.ids[head]):
-                where = host.where(sid, pid)
+            for page, where in enumerate(host.where_many(sid, list(cold.ids[head]))):
                 for p in cold._pos.buf[head, page][cold._alive.buf[head, page]].tolist():
                     row[p] = STATE_OF_TIER.get(where, "lost")
             for p in store.positions[head].tolist():

@@ -18,8 +18,8 @@ from api.server import with_stats_route
 from api.service_client import LocalTransport, ServiceClient
 from app.chat_service import ChatService
 from tiers.base import TierStats
-from tiers.host import HostTier
-from tiers.keys import session_key
+from tiers.host.tier import HostTier
+from tiers.store.redis.keys import session_key
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,9 @@ async def test_another_process_restores_a_session_from_redis(loaded, redis_url):
         stored = redis.Redis.from_url(redis_url).hgetall(session_key(prefix, info["session_id"]))
         data = json.loads(stored[b"data"])  # plain JSON, no pickle
         assert data["messages"][-1]["role"] == "assistant" and len(data["messages"]) == 5
-        assert int(stored[b"version"]) == 3  # created, then two turns
+        # Fenced by the tag its last save drew, after those of the saves before: created, then two turns.
+        lineage = stored[b"lineage"].split()
+        assert len(lineage) == 3 == len(set(lineage)) and lineage[-1] == stored[b"tag"] and b"version" not in stored
 
         (on_b,) = await ws_turns(b, info, "What is my name?")
         assert on_b["replica"] == "b"
@@ -268,10 +270,15 @@ async def test_another_process_restores_a_session_from_redis(loaded, redis_url):
 
         listed = httpx.get(f"{b.url}/v1/sessions").json()["sessions"]
         assert info["session_id"] in [s["session_id"] for s in listed]
+        live = redis.Redis.from_url(redis_url).hgetall(session_key(prefix, info["session_id"]))
+        lineage = live[b"lineage"].split()
+        assert len(lineage) == 5 and lineage[:3] == stored[b"lineage"].split()  # 5 saves, one history
         assert httpx.delete(f"{a.url}/v1/sessions/{info['session_id']}", headers=auth(info)).status_code == 204
-        # A tombstone stays for one TTL (no save in flight can bring the session back); its data is gone.
+        # A tombstone stays for one TTL (no save in flight can bring the session back, its tag being none a
+        # copy holds); its data is gone.
         tomb = redis.Redis.from_url(redis_url).hgetall(session_key(prefix, info["session_id"]))
-        assert tomb[b"deleted"] == b"1" and b"data" not in tomb and int(tomb[b"version"]) == 6  # 5 saves, then the delete
+        assert tomb[b"deleted"] == b"1" and b"data" not in tomb and b"lineage" not in tomb
+        assert tomb[b"tag"] not in lineage
 
 
 async def test_a_restored_tiered_session_keeps_its_kv(loaded, redis_url):

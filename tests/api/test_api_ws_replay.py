@@ -7,7 +7,7 @@ import secrets
 from serving_helpers import WsChat, local_server, turn_until_done
 
 from bench.haystack import hide
-from tiers.keys import kv_key
+from tiers.store.redis.keys import kv_key
 
 TURNS = [hide(["The pass key for the red door is 41735."], 300, [0.4], seed=3) + "\n\nWhat is the red door's key?",
          "Say it again."]

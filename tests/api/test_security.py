@@ -13,7 +13,7 @@ import pytest
 from serving_helpers import RedisServer, WsChat, local_server, turn_until_done
 from websockets.exceptions import ConnectionClosed
 
-from tiers.keys import session_key
+from tiers.store.redis.keys import kv_key, owner_key, session_key
 
 KEY_A, KEY_B = "alpha-" + uuid.uuid4().hex, "beta-" + uuid.uuid4().hex
 A = {"Authorization": f"Bearer {KEY_A}"}
@@ -176,17 +176,24 @@ async def test_every_redis_key_is_in_the_namespace(loaded, tmp_path):
                 if redis_server.client().hexists(f"{namespace}:replicas", "test-replica"):
                     break
                 await asyncio.sleep(0.1)
-            keys = [k.decode() for k in redis_server.client().scan_iter(count=1000)]
-            assert any(k.endswith(".primary-l0") for k in keys)  # the engine's KV went there too
-            assert session_key(namespace, info["session_id"]) in keys
+            client, sid = redis_server.client(), info["session_id"]
+            keys = {k.decode() for k in client.scan_iter(count=1000)}
             assert keys and all(k.startswith(namespace + ":") for k in keys), keys
-            # Ids that would address the session's other keys (or a pattern) are not ids at all.
-            for bad in (f"{info['session_id']}:meta", f"{info['session_id']}:kv:primary-l0", "s_*"):
-                r = httpx.get(f"{srv.url}/v1/sessions/{bad}", headers={**A, "x-session-token": info["token"]})
-                assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", r.text
-            stored = redis_server.client().hget(session_key(namespace, info["session_id"]), "data")
+            stored = client.hget(session_key(namespace, sid), "data")
             record = json.loads(stored)  # JSON, readable without any code from the server
             assert KEY_A not in stored.decode() and record["owner"].startswith("key-")
+            # The record, its KV groups (the engine's KV went there too: pages and page tables), the
+            # owner's listing index and its bytes, the replicas' totals: nothing else.
+            kv = {k for k in keys if k.startswith(kv_key(namespace, sid, ""))}
+            tables = {k for k in kv if k.startswith(kv_key(namespace, sid, "g"))}
+            assert tables and all(client.hexists(k, "primary0") for k in tables)
+            assert any(k.startswith(kv_key(namespace, sid, "p")) for k in kv)
+            index = owner_key(namespace, record["owner"])
+            assert keys == {session_key(namespace, sid), *kv, index, f"{index}:bytes", f"{namespace}:replicas"}
+            # Ids that would address the session's other keys (or a pattern) are not ids at all.
+            for bad in (f"{sid}:meta", f"{sid}:kv:{sorted(tables)[0].rpartition(':')[2]}", f"{sid}}}:kv:g0", "s_*"):
+                r = httpx.get(f"{srv.url}/v1/sessions/{bad}", headers={**A, "x-session-token": info["token"]})
+                assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", r.text
 
 
 def test_every_error_code_is_in_the_readme_table():
@@ -206,4 +213,5 @@ def test_every_error_code_is_in_the_readme_table():
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("### Error codes"):]
     documented = set(re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.M))
+    assert {"session_diverged", "quota_exceeded"} <= codes  # the store's own refusals
     assert len(codes) >= 20 and codes <= documented, sorted(codes - documented)

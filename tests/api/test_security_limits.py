@@ -13,7 +13,7 @@ import httpx
 import pytest
 from serving_helpers import WsChat, local_server, session_detail, turn_until_done
 
-from tiers.keys import kv_key
+from tiers.store.redis.keys import kv_key
 
 MODEL = "SmolLM2-135M-Instruct"
 LONG = "The lighthouse keeper wrote in his log about the storm, the ships, and the gulls. " * 3
@@ -128,7 +128,7 @@ async def _resumes_with_its_kv(server, info) -> None:
         await chat.send({"type": "session.resume", "session_id": info["session_id"], "token": info["token"]})
         event = await chat.recv()
         assert event["type"] == "session" and event["restored"], event
-        # The cold chunks came back from Redis: had leaving memory deleted them, this turn would fail.
+        # The cold pages came back from Redis: had leaving memory deleted them, this turn would fail.
         _, done = await turn_until_done(chat, "What did the keeper write about?")
         assert done["usage"]["prefilled_tokens"] < done["usage"]["prompt_tokens"] // 2
 
@@ -139,10 +139,12 @@ async def _queued_jobs_ran(server) -> None:
     await asyncio.wait_for(asyncio.wrap_future(server.service.engine.batcher.submit(lambda: None)), 15)
 
 
-def _redis_chunks(redis_url: str, namespace: str, sid: str) -> int:
+def _redis_items(redis_url: str, namespace: str, sid: str) -> int:
+    """The KV items (pages, page tables, primary sets) Redis holds of a session, over all of its groups."""
     import redis
 
-    return sum(1 for _ in redis.Redis.from_url(redis_url).scan_iter(match=kv_key(namespace, sid, "*")))
+    client = redis.Redis.from_url(redis_url)
+    return sum(client.hlen(key) for key in client.scan_iter(match=kv_key(namespace, sid, "*")))
 
 
 async def test_a_full_replica_makes_room_by_dropping_idle_stored_sessions(loaded, redis_url):
@@ -150,7 +152,7 @@ async def test_a_full_replica_makes_room_by_dropping_idle_stored_sessions(loaded
     with local_server(loaded, max_sessions_per_replica=2, redis_url=redis_url, redis_namespace=namespace) as srv:
         first = await _tiered_session_with_cold_kv(srv)
         await _tiered_session_with_cold_kv(srv)
-        chunks = _redis_chunks(redis_url, namespace, first["session_id"])
+        items = _redis_items(redis_url, namespace, first["session_id"])
         host = srv.service.engine.host_tier
         held_bytes = host.stats.bytes
         r = httpx.post(f"{srv.url}/v1/sessions", json={"mode": "full"})
@@ -158,7 +160,7 @@ async def test_a_full_replica_makes_room_by_dropping_idle_stored_sessions(loaded
         assert first["session_id"] not in srv.service.engine.sessions
         await _queued_jobs_ran(srv)
         assert host.session_bytes(first["session_id"]) == 0 and host.stats.bytes < held_bytes  # slots given back
-        assert _redis_chunks(redis_url, namespace, first["session_id"]) == chunks > 0  # Redis copies kept
+        assert _redis_items(redis_url, namespace, first["session_id"]) == items > 0  # Redis copies kept
         await _resumes_with_its_kv(srv, first)
         assert len(srv.service.engine.sessions) <= 2
 

@@ -89,6 +89,30 @@ def test_the_gpu_override_gives_each_worker_and_each_replica_one_gpu():
     assert worker["environment"]["WORKER_NUM_GPUS"] == "1" and "WORKER_NUM_GPUS" in ray_start_flags(worker)["num-gpus"]
 
 
+@needs_compose
+def test_redis_is_bounded_and_never_evicts_and_the_sentinel_override_fails_over_without_loss():
+    """The store refuses writes when full rather than evict a session (replicas refuse to start against an
+    evicting one); with the Sentinel override, replicas ask the sentinels for the primary and each save
+    waits for the Redis replica, so a failover loses no turn acknowledged as durable."""
+    from tiers.store.redis.url import parse_sentinel
+
+    base = compose_config("docker-compose.yml")["services"]["redis"]["command"]
+    assert parse_bytes(base[base.index("--maxmemory") + 1]) > 0
+    assert base[base.index("--maxmemory-policy") + 1] == "noeviction"
+    config = compose_config("docker-compose.yml", "docker-compose.sentinel.yml")
+    services = config["services"]
+    replica = services["redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1:replica.index("--replicaof") + 3] == ["redis", "6379"]
+    assert replica[replica.index("--maxmemory-policy") + 1] == "noeviction"
+    url = parse_sentinel(services["ray-head"]["environment"]["RKV_REDIS_URL"])
+    sentinels = {f"sentinel-{i}" for i in (1, 2, 3)}
+    assert {host for host, _ in url.nodes} == sentinels <= set(services) and url.service == "rkv"
+    for name in sentinels:
+        script = services[name]["command"][-1]
+        assert "sentinel monitor rkv redis 6379 2" in script and "--sentinel" in script
+    assert services["ray-head"]["environment"]["RKV_REDIS_MIN_REPLICAS"] == "1"
+
+
 def parse_bytes(size: str) -> int:
     number, unit = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(size).lower()).groups()
     return int(number) * 1024 ** " kmg".index(unit or " ")

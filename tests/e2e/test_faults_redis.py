@@ -16,10 +16,11 @@ import pytest
 import torch
 from serving_helpers import BlackHole, RedisServer, WsChat, local_server, session_detail, turn_until_done
 
-from tiers.host import HostFull, HostTier
-from tiers.keys import session_key
-from tiers.redis_client import RedisClient
-from tiers.redis_tier import RedisTier
+from tiers.cold.ids import page_id
+from tiers.host.tier import HostFull, HostTier
+from tiers.store.redis.client import RedisClient
+from tiers.store.redis.keys import session_key
+from tiers.store.redis.pages import RedisPageStore
 
 
 def health(server) -> dict:
@@ -102,32 +103,33 @@ def test_the_host_tier_refuses_past_its_bound_while_redis_is_down_and_spills_aga
     """Spilling resumes once a probe finds Redis back: pages refused while it was down were never taken
     (the caller keeps them), the bound held throughout, and none of the pages taken is lost."""
     with RedisServer(tmp_path) as redis_server:
-        tier = RedisTier(RedisClient(redis_server.url, timeout_s=0.5, retry_s=0.2),
-                         namespace=f"rkv-spill-{uuid.uuid4().hex[:6]}")
-        host = HostTier(capacity_bytes=2 * 2 * 8 * 16 * 4, redis=tier)
+        tier = RedisPageStore(RedisClient(redis_server.url, timeout_s=0.5, retry_s=0.2),
+                              namespace=f"rkv-spill-{uuid.uuid4().hex[:6]}")
+        host = HostTier(capacity_bytes=2 * 2 * 8 * 16 * 4, store=tier)
+        pids = [page_id(0, 1, 0, i) for i in range(8)]
         try:
             pages = {i: _page(i) for i in range(8)}
             for i in range(3):
-                host.put_many("s", [f"c{i}"], pages[i])
+                host.put_many("s", [pids[i]], pages[i])
             assert host.stats.spills == 1
 
             redis_server.stop()
             for i in range(3, 6):
                 with pytest.raises(HostFull):
-                    host.put_many("s", [f"c{i}"], pages[i])
-            assert host.stats.bytes <= host.capacity_bytes and not tier.healthy and tier.last_error
+                    host.put_many("s", [pids[i]], pages[i])
+            assert host.stats.bytes <= host.capacity_bytes and not tier.client.healthy and tier.last_error
             assert tier.client.breaker.opened == 1  # one failure opened it; the others failed at once
 
             redis_server.start()
             time.sleep(0.3)  # past the circuit's backoff: the next spill is its probe
             for i in range(6, 8):
-                host.put_many("s", [f"c{i}"], pages[i])
-            assert host.stats.spills == 3 and tier.healthy and tier.client.breaker.state == "closed"
+                host.put_many("s", [pids[i]], pages[i])
+            assert host.stats.spills == 3 and tier.client.healthy and tier.client.breaker.state == "closed"
             for i, page in pages.items():  # every page taken readable, from wherever it is
                 if i in (3, 4, 5):
-                    assert host.where("s", f"c{i}") == "none"
+                    assert host.where_many("s", [pids[i]]) == ["none"]
                     continue
-                got, _ = host.read_many("s", [f"c{i}"])
+                got, _ = host.read_many("s", [pids[i]])
                 assert torch.equal(got["keys"], page["keys"]) and torch.equal(got["values"], page["values"])
             assert host.stats.bytes <= host.capacity_bytes
         finally:

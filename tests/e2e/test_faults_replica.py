@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import uuid
 
+import httpx
 import pytest
 from serving_helpers import (
     WsChat, local_server, server_process, session_detail, turn_until_done,
 )
 from websockets.exceptions import ConnectionClosed
 
-from tiers.keys import kv_key
+from tiers.store.redis.keys import kv_key
 
 
 async def test_a_replica_killed_mid_turn_loses_no_finished_turn(loaded, redis_url):
@@ -60,7 +61,8 @@ async def test_a_replica_killed_mid_turn_loses_no_finished_turn(loaded, redis_ur
 
 
 async def test_a_stored_kv_with_chunks_gone_is_re_prefilled_not_trusted(loaded, redis_url):
-    """What a kill mid-turn can leave behind, made on purpose: a cold chunk the stored KV refers to is gone."""
+    """What a store that lost writes can leave behind, made on purpose: a cold page the stored KV names is
+    gone from its group."""
     import redis
 
     namespace = f"rkv-kill-{uuid.uuid4().hex[:8]}"
@@ -71,15 +73,17 @@ async def test_a_stored_kv_with_chunks_gone_is_re_prefilled_not_trusted(loaded, 
             async with WsChat.open(a.ws_url) as chat:
                 info = await chat.create(mode="tiered", budget=16)
                 await turn_until_done(chat, "The lighthouse keeper wrote about the storm and the gulls. " * 4)
-        chunks = [k for k in r.scan_iter(match=kv_key(namespace, info["session_id"], "l*"))]
-        assert chunks, "the test needs cold chunks in Redis"
-        r.delete(chunks[0])
+        groups = [k for k in r.scan_iter(match=kv_key(namespace, info["session_id"], "p*"))]
+        assert groups, "the test needs cold pages in Redis"
+        r.hdel(groups[0], r.hkeys(groups[0])[0])  # one page of a turn's group is gone, the rest is there
         with local_server(loaded, replica_id="b", **settings) as b:
             async with WsChat.open(b.ws_url) as chat:
                 await chat.send({"type": "session.resume", "session_id": info["session_id"], "token": info["token"]})
                 assert (await chat.recv())["restored"] is True
                 _, done = await turn_until_done(chat, "What did the keeper write about?")
                 assert done["usage"]["prefilled_tokens"] == done["usage"]["prompt_tokens"]  # rebuilt, not trusted
+            stats = httpx.get(f"{b.url}/v1/stats").json()
+            assert stats["caches_kv_restore_failed"] == 1 and not stats["caches_kv_restored"]
     finally:
         for key in r.scan_iter(match=f"{namespace}:*"):
             r.delete(key)

@@ -12,22 +12,23 @@ from serving_helpers import RedisServer, WsChat, local_server, session_detail, t
 
 from app.engine.sampling import SamplingParams
 from bench.haystack import hide
-from tiers.cold_layer import page_names
-from tiers.keys import session_key
-from tiers.redis_tier import decode_tensors
+from tiers.cold.ids import page_names
 from tiers.session_kv import table_names
+from tiers.store.protocol import group_of
+from tiers.store.redis.keys import kv_key, owner_key, session_key
+from tiers.store.wire import unpack
 
 LONG = "Tell me about the history of the printing press in Europe. " * 4
 
 
-def referenced_keys(client, record_key: str, kv: dict) -> set[str]:
-    """The KV keys a record names: its generation's page tables and primary sets, and the pages they list."""
-    tables = {f"{record_key}:kv:{name}" for name in table_names(kv["gen"], kv["layers"])}
+def referenced_items(client, namespace: str, sid: str, kv: dict) -> set[str]:
+    """The KV items (``group/field``) a record's generation names: its page tables and primary sets, and
+    the pages its tables list."""
+    tables = set(table_names(kv["gen"], kv["layers"]))
     pages = set()
     for layer in range(kv["layers"]):
-        header, data = client.hmget(f"{record_key}:kv:{kv['gen']}.index-l{layer}", ["header", "data"])
-        index, _ = decode_tensors(header, data)
-        pages |= {f"{record_key}:kv:{name}" for name in page_names(layer, index)}
+        index = unpack(client.hget(kv_key(namespace, sid, f"g{kv['gen']}"), f"index{layer}"))
+        pages |= set(page_names(layer, index))
     return tables | pages
 
 
@@ -39,27 +40,30 @@ async def test_a_tiered_conversation_leaves_one_record_and_its_kv_pages_nothing_
                 info = await chat.create(mode="tiered", budget=16)
                 for text in (LONG, "And in Asia?", "Thanks."):
                     await turn_until_done(chat, text)
-            client = redis_server.client()
+            client, sid = redis_server.client(), info["session_id"]
             keys = {k.decode() for k in client.scan_iter(count=1000)}
-            record_key = session_key(namespace, info["session_id"])
-            kv_keys = {k for k in keys if k.startswith(f"{record_key}:kv:")}
-            # The record, its manifest, its KV, the listing index, the replicas' totals and the KV writer's
-            # log and liveness: nothing else.
-            writers = {k for k in keys if k.startswith(f"{namespace}:writer:")}
-            assert len(writers) == 1
-            assert keys == {record_key, f"{record_key}:names", f"{namespace}:sessions",
-                            f"{namespace}:replicas", f"{namespace}:writing"} | kv_keys | writers
-            # Written once at creation and once per turn, compare-and-set.
-            assert int(client.hget(record_key, "version")) == 4
+            record_key = session_key(namespace, sid)
+            kv_keys = {k for k in keys if k.startswith(kv_key(namespace, sid, ""))}
+            # The record, its KV groups, the listing index and its bytes, the replicas' totals: nothing else.
+            index = owner_key(namespace, None)
+            assert keys == {record_key, index, f"{index}:bytes", f"{namespace}:replicas"} | kv_keys
+            # Written once at creation and once per turn, compare-and-set: each save drew a tag of its own.
+            lineage = client.hget(record_key, "lineage").split()
+            assert len(lineage) == len(set(lineage)) == 4 and client.hget(record_key, "tag") == lineage[-1]
             record = json.loads(client.hget(record_key, "data"))
             kv = record["kv"]
             assert kv["layers"] == len(kv["cold"]) > 0 and 0 < kv["history_len"] <= len(record["token_ids"])
-            named = referenced_keys(client, record_key, kv)
+            named = referenced_items(client, namespace, sid, kv)
             assert len(named) > 2 * kv["layers"], "the conversation should have cold pages"
-            # Exactly what the record names: one generation's tables and primary sets, its pages, no orphans;
-            # and the manifest lists exactly those.
-            assert kv_keys == named
-            assert {f"{record_key}:kv:{m.decode()}" for m in client.hkeys(f"{record_key}:names")} == named
+            # Exactly what the record names: one generation's tables and primary sets, its pages, no orphan
+            # group nor item; the record's groups, each counted whole.
+            groups = {group_of(name) for name in named}
+            assert kv_keys == {kv_key(namespace, sid, g) for g in groups}
+            assert set(client.hget(record_key, "groups").decode().split()) == groups == set(kv["groups"])
+            for group in groups:
+                fields = {f.decode() for f in client.hkeys(kv_key(namespace, sid, group))}
+                assert {f"{group}/{f}" for f in fields} == {n for n in named if group_of(n) == group}
+                assert len(fields) == kv["groups"][group]
 
 
 RUN = r"""

@@ -14,7 +14,7 @@ from app.engine.errors import HostMemoryExhausted
 from app.engine.layer_prefill import LayerPrefill
 from app.engine.sampling import SamplingParams
 from rocketkv_mt.cache.prefill.tiered.policy import ReselectTiered
-from tiers.host import HostFull
+from tiers.host.tier import HostFull
 import turn_helpers
 from turn_helpers import message, reply_ids
 

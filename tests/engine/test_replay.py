@@ -20,7 +20,7 @@ from app.engine.sampling import SamplingParams
 from app.session_restore import record, restore
 from app.settings import Settings
 from bench.haystack import hide
-from tiers.keys import kv_key
+from tiers.store.redis.keys import kv_key
 
 pytestmark = pytest.mark.slow
 FACTS = ["The pass key for the red door is 41735.", "The pass key for the blue door is 90264."]

@@ -64,5 +64,5 @@ async def test_a_host_tier_smaller_than_one_layers_cold_history_changes_no_reply
         with pytest.raises(HostMemoryExhausted):
             await engine.complete(session.id, LATER[0], PARAMS)
         assert (session.messages, session.token_ids) == before and not session.busy
-        assert engine.host_tier.stats.bytes <= TIGHT and not engine.redis.healthy
+        assert engine.host_tier.stats.bytes <= TIGHT and not engine.redis.client.healthy
         assert engine.stats()["turns_refused_host_memory"] == 1

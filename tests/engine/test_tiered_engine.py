@@ -148,14 +148,17 @@ async def test_a_redis_outage_is_reported_and_the_host_tiers_bound_holds(make_en
     engine = make_engine(mode="tiered", token_budget=128, redis_url="redis://127.0.0.1:1/0", host_tier_bytes=1 << 20,
                          redis_timeout_s=0.3)
     session = engine.create_session()
-    # The first try is stopped when a spill finds Redis down, the second refused at admission (its circuit
-    # is open): either way the session is as before, and the host tier within its bound.
+    # Redis is found down when the engine starts (its configuration cannot be read) or, failing that, when a
+    # spill finds it down; then the circuit is open and tries are refused at admission: either way the
+    # session is as before, and the host tier within its bound.
     for _ in range(2):
         with pytest.raises(HostMemoryExhausted):
             await engine.complete(session.id, FIRST, PARAMS)
         assert session.messages == [] and session.token_ids == [] and not session.busy
         assert engine.host_tier.stats.bytes <= engine.host_tier.capacity_bytes
-    assert engine.redis.healthy is False and engine.redis.stats.errors > 0 and engine.redis.unavailable()
+    client = engine.redis.client
+    assert client.healthy is False and engine.redis.last_error and engine.redis.unavailable()
+    assert client.circuit()["redis_circuit_opens"] >= 1  # what /metrics reports of the outage
     assert engine.host_tier.stats.bytes == 0 and engine.stats()["turns_refused_host_memory"] == 2
     done = await engine.complete(session.id, "Say hello.", PARAMS)  # a turn that demotes nothing goes on
     assert done.usage.generated_tokens > 0

@@ -1,6 +1,8 @@
 """A delete is final: a save in flight cannot bring the session back, a job of its cache on the model
-thread cannot leak host slots or leave keys behind, and a replica that holds a copy of a session deleted
-elsewhere never serves it again. Real model, real (private) Redis."""
+thread cannot leak host slots or leave keys behind, a replica that holds a copy of a session deleted
+elsewhere never serves it again, and the tombstone deletes the KV its record named in the same step, so
+a replica that dies right after it leaves nothing behind that outlives the pending TTL. Real model,
+real (private) Redis."""
 from __future__ import annotations
 
 import asyncio
@@ -8,16 +10,14 @@ import secrets
 import time
 
 import pytest
-
-from replica_helpers import new_session, replica
+from replica_helpers import LONG, new_session, replica, turn
 from serving_helpers import RedisServer
 
 from app.chat_service import ChatService
 from app.contract.errors import SessionNotFound
-from app.session_store import TOMBSTONE
-from tiers.keys import session_key, session_pattern
+from tiers.store.redis.keys import kv_key, session_key, session_pattern
 
-
+PENDING_S = 10  # the shortest pending TTL the settings allow
 
 
 def keys_left(server: RedisServer, ns: str) -> set[str]:
@@ -53,7 +53,7 @@ async def test_a_save_in_flight_when_the_session_is_deleted_does_not_bring_it_ba
         await service.delete_session(sid, token)
         go.set()
         await saving
-        assert await store.version(sid) == TOMBSTONE and await store.load(sid) is None
+        assert (await store.stored(sid)).deleted and await store.load(sid) is None
         assert_deleted(service, private_redis, ns, sid)
         with pytest.raises(SessionNotFound):
             await service.resume_session(sid, token)
@@ -97,26 +97,41 @@ async def test_a_copy_of_a_session_deleted_elsewhere_never_serves_again(make_eng
         await b.close()
 
 
-async def test_a_delete_whose_replica_died_half_way_is_finished_by_another(make_engine, private_redis, monkeypatch):
-    import app.chat_service as chat_service
-
+async def test_a_delete_whose_replica_dies_after_the_tombstone_leaves_nothing_that_outlives_the_pending_ttl(
+        make_engine, private_redis, monkeypatch):
+    """The tombstone and the deletion of the KV its record named are one step: a replica killed right after
+    it (before its own cleanup) leaves the tombstone, and of its KV only what no record named, which
+    expires within the pending TTL; every replica then takes the session for deleted."""
     ns = f"rkvdel-{secrets.token_hex(3)}"
-    a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
+    a, b = (replica(make_engine, private_redis.url, ns, name, redis_pending_ttl_s=PENDING_S) for name in ("a", "b"))
     try:
         sid, token = await new_session(a)
-        assert len(keys_left(private_redis, ns)) > 2  # record, manifest and KV
+        client = private_redis.client()
+        named = client.hget(session_key(ns, sid), "groups").decode().split()
+        assert named and all(client.exists(kv_key(ns, sid, g)) for g in named)
 
-        async def dies_after_the_tombstone(session_id):  # a kill -9 between the tombstone and the keys
+        async def lost(*args):  # the next turn's record never lands: its KV is written, named by no record
+            raise ConnectionError("cut off")
+
+        monkeypatch.setattr(a.store, "save", lost)
+        assert not (await turn(a, sid, token, LONG + " Which ships passed by?")).storage.saved
+        unnamed = keys_left(private_redis, ns) - {session_key(ns, sid), *(kv_key(ns, sid, g) for g in named)}
+        assert unnamed
+
+        async def dies_after_the_tombstone(session_id):  # a kill -9 between the tombstone and the local cleanup
             raise asyncio.CancelledError
 
         monkeypatch.setattr(a.engine, "purge", dies_after_the_tombstone)
         with pytest.raises(asyncio.CancelledError):
             await a.delete_session(sid, token)
-        assert len(keys_left(private_redis, ns)) > 1 and await a.store.unfinished_deletes(0) == [sid]
-        monkeypatch.setattr(chat_service, "DELETE_GRACE_S", 0.0)
-        await b._finish_deletes()
-        assert keys_left(private_redis, ns) == {session_key(ns, sid)}  # the tombstone alone
-        assert await a.store.unfinished_deletes(0) == []
+        a._housekeeper.cancel()  # dead: nothing of a renews what it wrote
+        a.engine.renewal.close()
+        assert client.hget(session_key(ns, sid), "deleted") == b"1"
+        left = keys_left(private_redis, ns) - {session_key(ns, sid)}
+        assert left and left <= unnamed  # what the record named is gone (a's housekeeping may have taken more)
+        assert all(0 < client.ttl(k) <= PENDING_S for k in left)
+        with pytest.raises(SessionNotFound):
+            await b.resume_session(sid, token)
     finally:
         await a.close()
         await b.close()

@@ -11,6 +11,7 @@ from replica_helpers import events_of, replica
 
 from app.contract.events import Done, TurnFailed
 from app.contract.ids import new_session_id
+from app.session_fence import DIVERGED, MINE, MOVED_ON
 
 
 async def moved_on(a, b) -> tuple[str, str]:
@@ -29,7 +30,7 @@ async def test_housekeeping_lets_go_of_a_copy_another_replica_moved_on_from(make
         sid, token = await moved_on(a, b)
         await a._drop_stale()
         assert sid not in a.engine.sessions and sid in b.engine.sessions
-        await b._drop_stale()  # the holder of the latest version keeps it
+        await b._drop_stale()  # the holder of the latest record keeps it
         assert sid in b.engine.sessions
     finally:
         await a.close()
@@ -41,7 +42,7 @@ async def test_a_turn_on_a_copy_that_moved_on_meanwhile_is_not_acknowledged(make
     a, b = (replica(make_engine, private_redis.url, ns, name) for name in ("a", "b"))
     try:
         async def not_yet(*args):  # b's save lands after a's check: the race a check cannot close
-            return False
+            return MINE
 
         with monkeypatch.context() as m:
             # a's housekeeping (every second) would let go of the stale copy on a slow machine, and the
@@ -49,7 +50,7 @@ async def test_a_turn_on_a_copy_that_moved_on_meanwhile_is_not_acknowledged(make
             m.setattr(a, "_drop_stale", not_yet)
             sid, token = await moved_on(a, b)
             assert sid in a.engine.sessions  # a still holds the copy b moved on from
-            m.setattr(a.repository, "is_stale", not_yet)
+            m.setattr(a.repository, "check", not_yet)
             failed = (await events_of(a, sid, token, "A third.", key="k3"))[-1]
         assert isinstance(failed, TurnFailed) and failed.code == "session_moved"
         done = (await events_of(a, sid, token, "A third.", key="k3"))[-1]  # sent again: restored, runs
@@ -62,7 +63,7 @@ async def test_a_turn_on_a_copy_that_moved_on_meanwhile_is_not_acknowledged(make
 
 
 async def test_a_save_in_flight_is_not_taken_for_another_replica_moving_on(make_engine, private_redis):
-    """Between a save's compare-and-set and its bookkeeping, Redis already holds the new version: neither
+    """Between a save's compare-and-set and its bookkeeping, Redis already holds the new tag: neither
     housekeeping nor a request may take this replica's own save for another's."""
     ns = f"rkvstale-{secrets.token_hex(3)}"
     a = replica(make_engine, private_redis.url, ns, "a")
@@ -81,10 +82,11 @@ async def test_a_save_in_flight_is_not_taken_for_another_replica_moving_on(make_
         turn = asyncio.create_task(events_of(a, sid, token, "Hello there."))
         await asyncio.wait_for(committed.wait(), 60)
         assert await a.repository.refresh() == ([], [])
-        checking = asyncio.create_task(a.repository.is_stale(a.engine.sessions[sid]))
+        checking = asyncio.create_task(a.repository.check(sid))
         await asyncio.sleep(0.1)
         go.set()
-        assert isinstance((await turn)[-1], Done) and await checking is False
+        assert isinstance((await turn)[-1], Done) and await checking not in (MOVED_ON, DIVERGED)
+        assert await a.repository.check(sid) == MINE and sid not in a.repository.stale
         await a._drop_stale()
         assert sid in a.engine.sessions
     finally:

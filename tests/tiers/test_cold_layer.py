@@ -1,4 +1,4 @@
-"""The cold pages of one layer (``tiers.cold_layer.ColdLayer``) on a host tier without Redis, and the
+"""The cold pages of one layer (``tiers.cold.layer.ColdLayer``) on a host tier without Redis, and the
 page codecs: pure bookkeeping and tensors, no model."""
 import json
 
@@ -7,9 +7,10 @@ import torch
 
 from tiers.base import Traffic
 from tiers.codec import Int8Codec, RawCodec
-from tiers.cold_layer import DIGEST_DTYPE, ColdLayer, _Table
-from tiers.host import HostFull, HostTier
-from tiers.redis_tier import decode_tensors, encode_tensors
+from tiers.cold.layer import DIGEST_DTYPE, ColdLayer
+from tiers.cold.table import Table
+from tiers.host.tier import HostFull, HostTier
+from tiers.store.wire import pack, unpack
 
 HKV, D, P, STORE = 3, 8, 16, 90
 DTYPE = torch.bfloat16
@@ -198,9 +199,8 @@ def test_restore_from_the_index_gives_the_same_cold_tokens():
     layer.demote(keys, values, positions, make_mask([40, 40, 40], seed=7))
     _, (_, _, pos, alive, slots), _ = fetch_all(layer)
     layer.promote(torch.where(alive & (pos % 2 == 0), slots, -1))  # some tokens are on the device now
-    # The page table as persistence stores it: tensors through the Redis encoding, state through JSON.
-    header, data = encode_tensors(layer.index_tensors())
-    tensors, _ = decode_tensors(header, data)
+    # The page table as persistence stores it: tensors through the store's wire format, state through JSON.
+    tensors = unpack(pack(layer.index_tensors()))
     state = json.loads(json.dumps(layer.snapshot()))
 
     copy = new_layer(host)
@@ -267,7 +267,7 @@ def test_digests_bound_the_keys_the_tier_gives_back_with_int8():
 
 
 def test_digests_of_float32_keys_are_bfloat16_bounds_one_step_wide_at_most():
-    from tiers.cold_layer import outward
+    from tiers.cold.table import outward
 
     x = torch.randn(1000) * 3
     lo, hi = outward(x, up=False), outward(x, up=True)
@@ -313,8 +313,7 @@ def test_a_sketch_estimates_every_cold_key_and_survives_a_restore(bits):
     assert torch.equal(part_pos[0], pos[0, P:]) and torch.equal(part_alive[0], alive[0, P:])
     assert not part_alive[1, P:].any() and not part_alive[2].any() and (part_pos[2] == -1).all()
     # Persisted and restored, the sketch is the same; a table persisted without one gets middle steps.
-    header, data = encode_tensors(layer.index_tensors())
-    tensors, _ = decode_tensors(header, data)
+    tensors = unpack(pack(layer.index_tensors()))
     copy = ColdLayer("s1", 2, host, P, RawCodec(), HKV, D, DTYPE, sketch_bits=bits)
     copy.restore(json.loads(json.dumps(layer.snapshot())), tensors)
     got = copy.sketched(torch.device("cpu"), every)
@@ -362,8 +361,7 @@ def test_a_sketched_page_keeps_a_value_sketch_and_a_restore_keeps_it():
                 if x >= 0:
                     err = (est[h, j * P + i] - truth[x][1].float()).abs()
                     assert (err <= step / 2 * 1.02 + 1e-6).all()  # bfloat16 bounds rounded outward: a hair wider
-    header, data = encode_tensors(layer.index_tensors())
-    tensors, _ = decode_tensors(header, data)
+    tensors = unpack(pack(layer.index_tensors()))
     copy = ColdLayer("s1", 2, host, P, RawCodec(), HKV, D, DTYPE, sketch_bits=4)
     copy.restore(layer.snapshot(), tensors)
     assert torch.equal(copy.sketched_values(torch.device("cpu"), every)[0], est)
@@ -375,7 +373,7 @@ def test_a_sketched_page_keeps_a_value_sketch_and_a_restore_keeps_it():
 
 
 def test_table_take_gives_each_head_its_own_rows():
-    table = _Table(HKV, (P, 4), torch.uint8)
+    table = Table(HKV, (P, 4), torch.uint8)
     table.ensure(40)
     table.buf.copy_(torch.randint(0, 256, table.buf.shape, dtype=torch.uint8))
     pages = torch.tensor([[0, 5, 5, 39], [7, 0, 1, 2], [39, 38, 0, 0]])

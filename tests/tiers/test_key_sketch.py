@@ -1,8 +1,8 @@
-"""Key sketches (``tiers.key_sketch``): a few bits per channel within the page's bounds."""
+"""Key sketches (``tiers.cold.key_sketch``): a few bits per channel within the page's bounds."""
 import pytest
 import torch
 
-from tiers import key_sketch
+from tiers.cold import key_sketch
 
 
 @pytest.mark.parametrize("bits", [2, 4])

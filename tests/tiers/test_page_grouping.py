@@ -1,12 +1,12 @@
-"""Grouping a demotion's tokens into pages by their keys (``tiers.page_grouping``), and a cold layer
+"""Grouping a demotion's tokens into pages by their keys (``tiers.cold.page_grouping``), and a cold layer
 that pages that way: pure tensors, no model."""
 import torch
 
 from tiers.base import Traffic
 from tiers.codec import RawCodec
-from tiers.cold_layer import ColdLayer
-from tiers.host import HostTier
-from tiers.page_grouping import group_by_keys
+from tiers.cold.layer import ColdLayer
+from tiers.host.tier import HostTier
+from tiers.cold.page_grouping import group_by_keys
 
 P, D = 16, 8
 

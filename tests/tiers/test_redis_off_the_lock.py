@@ -7,13 +7,16 @@ import threading
 import time
 
 import pytest
+import redis
 import torch
 from serving_helpers import BlackHole
 
-from tiers.breaker import CircuitBreaker
-from tiers.host import HostFull, HostTier
-from tiers.redis_client import RedisClient, RedisUnavailable
-from tiers.redis_tier import RedisTier
+from tiers.host.tier import HostFull, HostTier
+from tiers.store.redis.breaker import CircuitBreaker
+from tiers.store.redis.client import RedisClient, RedisUnavailable
+from tiers.store.redis.keys import kv_key
+from tiers.store.redis.pages import RedisPageStore
+from tiers.store.wire import pack
 
 TIMEOUT_S = 1.0
 
@@ -28,15 +31,15 @@ PAGE_BYTES = 2 * 16 * 8 * 4
 
 def test_ten_demotions_into_a_full_host_tier_cost_one_redis_timeout_and_never_hold_its_lock():
     with BlackHole() as hole:
-        tier = RedisTier(RedisClient(hole.url, timeout_s=TIMEOUT_S), namespace="rkvtest-hole")
-        host = HostTier(capacity_bytes=2 * PAGE_BYTES, redis=tier)
+        store = RedisPageStore(RedisClient(hole.url, timeout_s=TIMEOUT_S), namespace="rkvtest-hole")
+        host = HostTier(capacity_bytes=2 * PAGE_BYTES, store=store)
         try:
-            host.put_many("s", ["c0", "c1"], page(0, 2))
+            host.put_many("s", ["c/0", "c/1"], page(0, 2))
             outcomes = []
 
             def demote(i: int) -> None:
                 try:
-                    host.put_many("s", [f"d{i}"], page(i))
+                    host.put_many("s", [f"d/{i}"], page(i))
                     outcomes.append("stored")
                 except HostFull:
                     outcomes.append("refused")
@@ -47,8 +50,8 @@ def test_ten_demotions_into_a_full_host_tier_cost_one_redis_timeout_and_never_ho
             time.sleep(0.3)  # the first demotion's spill now waits on Redis
             assert first.is_alive()
             t = time.monotonic()
-            got, _ = host.read_many("s", ["c0", "c1"])  # a page being spilled is still read from its slot
-            assert host.where("s", "c1") == "host" and host.session_bytes("s") == 2 * PAGE_BYTES
+            got, _ = host.read_many("s", ["c/0", "c/1"])  # a page being spilled is still read from its slot
+            assert host.where_many("s", ["c/1"]) == ["host"] and host.session_bytes("s") == 2 * PAGE_BYTES
             assert time.monotonic() - t < 0.2, "the host tier's lock was held across a Redis call"
             first.join()
             for i in range(1, 10):
@@ -57,13 +60,13 @@ def test_ten_demotions_into_a_full_host_tier_cost_one_redis_timeout_and_never_ho
             assert outcomes == ["refused"] * 10
             # One timeout (the first spill), then the open circuit refuses at once.
             assert TIMEOUT_S * 0.9 < elapsed < TIMEOUT_S * 1.6, elapsed
-            assert tier.client.breaker.opened == 1 and tier.unavailable()
+            assert store.client.breaker.opened == 1 and store.unavailable()
             assert host.stats.bytes == 2 * PAGE_BYTES and host.exhausted == 10
             assert torch.equal(got["keys"], page(0, 2)["keys"])
-            again, _ = host.read_many("s", ["c0", "c1"])  # nothing was lost on the way
+            again, _ = host.read_many("s", ["c/0", "c/1"])  # nothing was lost on the way
             assert torch.equal(again["values"], page(0, 2)["values"])
         finally:
-            tier.close()
+            store.close()
 
 
 def test_the_circuit_fails_calls_at_once_then_probes_and_closes_when_redis_answers(redis_url):
@@ -102,17 +105,23 @@ def test_a_failed_probe_doubles_the_backoff_up_to_its_cap():
 
 
 def test_session_bytes_read_while_another_thread_inserts_pages(redis_url):
-    tier = RedisTier(RedisClient(redis_url), namespace=f"rkvtest-count-{time.monotonic_ns()}", ttl_s=600)
-    host = HostTier(capacity_bytes=1 << 26, redis=tier)
-    # Another session's many keys: a count that walked every key would take a while to read.
-    tier.put_pages("other", {f"o{i}": {k: t[0] for k, t in page(i).items()} for i in range(4000)})
+    ns = f"rkvtest-count-{time.monotonic_ns()}"
+    store = RedisPageStore(RedisClient(redis_url), namespace=ns)
+    host = HostTier(capacity_bytes=1 << 26, store=store)
+    raw = redis.Redis.from_url(redis_url)
+    stored = len(pack({k: t[0] for k, t in page(0).items()}))  # what the store counts of one page
+    # Another session's many items: a count that walked every item would take a while to read.
+    store.put("other", {f"o/{i}": {k: t[0] for k, t in page(i).items()} for i in range(4000)})
     stop, inserted = threading.Event(), []
 
     def insert() -> None:
         i = 0
         while not stop.is_set() or i < 20:
-            host.put_many("s", [f"p{i}"], page(i))
-            assert host.persist_many("s", [f"p{i}"]) == PAGE_BYTES
+            pid = f"p/{i}"
+            host.put_many("s", [pid], page(i))
+            missing = host.unstored("s", [pid])  # a persist: the pages the store lacks, then written
+            assert missing is not None and list(missing) == [pid] and store.put("s", missing)
+            host.stored("s", list(missing))
             inserted.append(i)
             i += 1
 
@@ -121,23 +130,25 @@ def test_session_bytes_read_while_another_thread_inserts_pages(redis_url):
     seen = []
     try:
         for _ in range(10_000):
-            seen.append((host.session_bytes("s"), tier.session_bytes("s")))
+            seen.append((host.session_bytes("s"), store.session_bytes("s")))
     finally:
         stop.set()
         writer.join()
     try:
         assert len(inserted) >= 20
-        for host_bytes, redis_bytes in seen:  # whole pages, and Redis never ahead of the host's copies
-            assert host_bytes % PAGE_BYTES == 0 and redis_bytes % PAGE_BYTES == 0 and redis_bytes <= host_bytes
+        for host_bytes, store_bytes in seen:  # whole pages, and the store never ahead of the host's copies
+            assert host_bytes % PAGE_BYTES == 0 and store_bytes % stored == 0
+            assert store_bytes // stored <= host_bytes // PAGE_BYTES
         assert [h for h, _ in seen] == sorted(h for h, _ in seen) and [r for _, r in seen] == sorted(r for _, r in seen)
         n = len(inserted)
-        assert host.session_bytes("s") == tier.session_bytes("s") == n * PAGE_BYTES
-        assert tier.stats.bytes == (n + 4000) * PAGE_BYTES and tier.stats.entries == n + 4000
-        tier.forget_session("other")  # a session leaving the process takes its counts along
-        assert tier.session_bytes("other") == 0 and tier.stats.entries == n
+        assert host.session_bytes("s") == n * PAGE_BYTES and store.session_bytes("s") == n * stored
+        assert store.stats.bytes == (n + 4000) * stored and store.stats.entries == n + 4000
+        store.forget("other")  # a session leaving the process takes its counts along
+        assert store.session_bytes("other") == 0 and store.stats.entries == n
         host.drop_session("s")
-        assert host.session_bytes("s") == 0 and tier.session_bytes("s") == 0 and tier.stats.bytes == 0
+        assert host.session_bytes("s") == 0 and store.session_bytes("s") == 0 and store.stats.bytes == 0
+        assert not raw.exists(kv_key(ns, "s", "p"))  # pending, named by no record: gone with its holder
     finally:
-        tier.delete_session("s")
-        tier.delete_session("other")
-        tier.close()
+        for key in raw.scan_iter(match=f"{ns}:*"):
+            raw.delete(key)
+        store.close()

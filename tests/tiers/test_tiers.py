@@ -1,29 +1,38 @@
-"""Tiers against the real Redis: bit-exact round trips, the host bound, spills, and Redis outages."""
+"""The host tier over the page store on the real Redis: the host bound, spills and promotions that keep
+every byte, Redis outages, reservations, and the store's lifetimes (pending, renewed by the holder).
+The wire format and the store's own calls: ``test_page_store``."""
 import secrets
 import threading
+import time
 
 import pytest
 import redis
 import torch
 
-from tiers.host import HostFull, HostTier
-from tiers.redis_client import RedisClient
-from tiers.redis_tier import WRITER_TTL_S, RedisTier, decode_tensors, encode_tensors
+from tiers.host.tier import HostFull, HostTier
+from tiers.store.redis.client import RedisClient
+from tiers.store.redis.keys import kv_key
+from tiers.store.redis.pages import RedisPageStore
 
 DEAD_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1: every call fails fast
 
 
+def clear(redis_url: str, ns: str) -> None:
+    raw = redis.Redis.from_url(redis_url)
+    for key in raw.scan_iter(match=f"{ns}:*"):
+        raw.delete(key)
+
+
 @pytest.fixture
-def redis_tier(redis_url):
-    tier = RedisTier(RedisClient(redis_url), namespace=f"rkvtest-{secrets.token_hex(4)}", ttl_s=600)
-    yield tier
-    tier.delete_session("s1")
-    tier.delete_session("s2")
-    tier.close()
+def page_store(redis_url):
+    store = RedisPageStore(RedisClient(redis_url), namespace=f"rkvtest-{secrets.token_hex(4)}", pending_ttl_s=600)
+    yield store
+    clear(redis_url, store.ns)
+    store.close()
 
 
 def make_page(seed: int, dtype=torch.float32, p=16, d=8) -> dict[str, torch.Tensor]:
-    """One page's tensors (no page axis), as the Redis tier stores them."""
+    """One page's tensors (no page axis), as the page store keeps them."""
     g = torch.Generator().manual_seed(seed)
     return {"keys": torch.randn(p, d, generator=g).to(dtype), "values": torch.randn(p, d, generator=g).to(dtype)}
 
@@ -38,68 +47,43 @@ def same(a: dict, b: dict) -> bool:
     )
 
 
+def where(host: HostTier, sid: str, pid: str) -> str:
+    return host.where_many(sid, [pid])[0]
+
+
 PAGE_BYTES = 2 * 16 * 8 * 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
-def test_tensor_codec_is_bit_exact(dtype):
-    t = (torch.randn(2, 5, 3) * 100).to(dtype)
-    if dtype.is_floating_point:
-        t[0, 0, 0] = float("nan")
-        t[0, 0, 1] = float("-inf")
-    header, data = encode_tensors({"t": t, "empty": torch.empty(0, 4, dtype=dtype)}, meta={"layer": 3})
-    out, meta = decode_tensors(header, data)
-    assert meta == {"layer": 3}
-    assert out["t"].dtype == dtype and out["t"].shape == t.shape
-    assert torch.equal(out["t"].view(torch.uint8), t.view(torch.uint8))
-    assert out["empty"].shape == (0, 4)
+def test_the_store_counts_what_it_holds_writes_and_reads(page_store):
+    assert page_store.put("s1", {"c/1": make_page(1), "c/2": make_page(2, torch.bfloat16)})
+    back = page_store.get("s1", ["c/2", "c/9", "c/1"])
+    assert back[1] is None and same(back[0], make_page(2, torch.bfloat16)) and same(back[2], make_page(1))
+    stats = page_store.stats
+    assert stats.entries == 2 and stats.bytes > 0 and stats.hits == 2 and stats.misses == 1
+    assert stats.bytes_read == stats.bytes_written == stats.bytes == page_store.session_bytes("s1")
 
 
-def test_codec_rejects_unknown_dtype_and_short_data():
-    header, data = encode_tensors({"t": torch.ones(4)})
-    with pytest.raises(ValueError):
-        decode_tensors(header.replace(b"float32", b"object"), data)
-    with pytest.raises(ValueError):
-        decode_tensors(header, data[:-1])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_redis_chunk_round_trip_bit_exact(redis_tier, dtype):
-    page = make_page(1, dtype)
-    assert redis_tier.put_pages("s1", {"c1": page, "c2": make_page(2, dtype)})
-    back = redis_tier.get_pages("s1", ["c2", "nope", "c1"])
-    assert back[1] is None and same(back[0], make_page(2, dtype)) and same(back[2], page)
-    assert redis_tier.stats.entries == 2 and redis_tier.stats.bytes > 0
-    assert redis_tier.stats.bytes_read == redis_tier.stats.bytes_written == redis_tier.stats.bytes
-
-
-def test_redis_keys_are_namespaced_with_ttl(redis_tier, redis_url):
-    redis_tier.put_pages("s1", {"c1": make_page(2), "c2": make_page(3)})
+def test_a_sessions_items_are_one_key_per_group_and_nothing_else(page_store, redis_url):
+    """No manifest, no writers' log: what a write leaves under the namespace is its groups' hashes,
+    pending (the store's short TTL), and deleting the groups leaves nothing."""
+    page_store.put("s1", {"p1/0.0": make_page(2), "p1/1.0": make_page(3), "p2/0.0": make_page(4)})
     client = redis.Redis.from_url(redis_url)
-    keys = sorted(k.decode() for k in client.scan_iter(match=f"{redis_tier.ns}:session:*"))
-    # One hash tag per session (one cluster slot), and a manifest naming every KV key written and its writer.
-    head = f"{redis_tier.ns}:session:{{s1}}"
-    assert keys == [f"{head}:kv:c1", f"{head}:kv:c2", f"{head}:names"]
-    assert client.hgetall(f"{head}:names") == {b"c1": redis_tier.writer.encode(), b"c2": redis_tier.writer.encode()}
-    # KV outlives the record naming it (a record's TTL is ``ttl_s``).
-    assert all(redis_tier.ttl_s < client.ttl(k) <= redis_tier.kv_ttl_s for k in keys)
-    # The writer lives, and has logged the session it writes for.
-    assert 0 < client.ttl(f"{redis_tier.ns}:writer:{redis_tier.writer}") <= WRITER_TTL_S
-    assert client.zrange(f"{redis_tier.ns}:writing", 0, -1) == [f"{redis_tier.writer}|s1".encode()]
-    redis_tier.delete_session("s1")
-    assert list(client.scan_iter(match=f"{redis_tier.ns}:session:*")) == []
-    assert client.zrange(f"{redis_tier.ns}:writing", 0, -1) == []
-    assert redis_tier.stats.bytes == 0
+    keys = {k.decode() for k in client.scan_iter(match=f"{page_store.ns}:*")}
+    # One hash tag per session (one cluster slot), one hash per group.
+    assert keys == {kv_key(page_store.ns, "s1", "p1"), kv_key(page_store.ns, "s1", "p2")}
+    assert all(0 < client.ttl(k) <= page_store.pending_ttl_s for k in keys)
+    assert page_store.delete("s1", ["p1", "p2"])
+    assert list(client.scan_iter(match=f"{page_store.ns}:*")) == [] and page_store.stats.bytes == 0
 
 
-def test_host_bound_holds_and_spill_promote_keeps_every_byte(redis_tier):
-    pages = {f"c{i}": make_page(i) for i in range(10)}
-    host = HostTier(capacity_bytes=3 * PAGE_BYTES, redis=redis_tier)
+def test_host_bound_holds_and_spill_promote_keeps_every_byte(page_store):
+    pages = {f"c/{i}": make_page(i) for i in range(10)}
+    host = HostTier(capacity_bytes=3 * PAGE_BYTES, store=page_store)
     for cid, page in pages.items():
         assert host.put_many("s2", [cid], stacked(page)) == PAGE_BYTES
         assert host.stats.bytes <= host.capacity_bytes
     assert host.stats.entries == 3 and host.stats.spills == 7
-    assert {host.where("s2", cid) for cid in pages} == {"host", "redis"}
+    assert {where(host, "s2", cid) for cid in pages} == {"host", "redis"}
     for cid, page in pages.items():  # reading spilled pages promotes them back, spilling others
         got, from_redis = host.read_many("s2", [cid])
         assert same({k: t[0] for k, t in got.items()}, page)
@@ -109,32 +93,32 @@ def test_host_bound_holds_and_spill_promote_keeps_every_byte(redis_tier):
     assert host.stats.entries == 0 and host.stats.bytes == 0
 
 
-def test_a_spill_checks_that_redis_still_holds_a_page_before_dropping_its_host_copy(redis_tier, redis_url):
+def test_a_spill_checks_that_redis_still_holds_a_page_before_dropping_its_host_copy(page_store, redis_url):
     """A page read back from Redis is in the host tier and believed in Redis; if its key went (expired,
     or Redis restarted empty), spilling it again must write it, not drop the last copy."""
-    pages = {f"c{i}": make_page(200 + i) for i in range(3)}
-    host = HostTier(capacity_bytes=2 * PAGE_BYTES, redis=redis_tier)
+    pages = {f"c/{i}": make_page(200 + i) for i in range(3)}
+    host = HostTier(capacity_bytes=2 * PAGE_BYTES, store=page_store)
     for cid, page in pages.items():
         host.put_many("s2", [cid], stacked(page))
-    assert host.where("s2", "c0") == "redis"
-    host.read_many("s2", ["c0"])  # back in a slot (c1 spilled for it), still believed in Redis
-    assert host.where("s2", "c0") == "host" and host.copies.holds("s2", "c0")
-    redis.Redis.from_url(redis_url).delete(redis_tier.chunk_key("s2", "c0"))
-    host.read_many("s2", ["c1"])  # c0, least recently used, spills to make room
-    host.read_many("s2", ["c2"])
-    assert host.where("s2", "c0") == "redis"
-    got, from_redis = host.read_many("s2", ["c0"])
-    assert from_redis == PAGE_BYTES and same({k: t[0] for k, t in got.items()}, pages["c0"])
+    assert where(host, "s2", "c/0") == "redis"
+    host.read_many("s2", ["c/0"])  # back in a slot (c/1 spilled for it), still believed in Redis
+    assert where(host, "s2", "c/0") == "host" and host.copies.holds("s2", "c/0")
+    redis.Redis.from_url(redis_url).hdel(kv_key(page_store.ns, "s2", "c"), "0")  # the copy of c/0 is lost
+    host.read_many("s2", ["c/1"])  # c/0, least recently used, spills to make room
+    host.read_many("s2", ["c/2"])
+    assert where(host, "s2", "c/0") == "redis"
+    got, from_redis = host.read_many("s2", ["c/0"])
+    assert from_redis == PAGE_BYTES and same({k: t[0] for k, t in got.items()}, pages["c/0"])
 
 
-def test_a_read_larger_than_the_host_tier_returns_every_page_intact(redis_tier):
+def test_a_read_larger_than_the_host_tier_returns_every_page_intact(page_store):
     """One read of more pages than the pool holds: each page comes back as written, whatever the
     read spills and promotes on the way (no view of a reused slot)."""
-    pages = {f"c{i}": make_page(100 + i) for i in range(12)}
-    host = HostTier(capacity_bytes=4 * PAGE_BYTES, redis=redis_tier)
+    pages = {f"c/{i}": make_page(100 + i) for i in range(12)}
+    host = HostTier(capacity_bytes=4 * PAGE_BYTES, store=page_store)
     host.put_many("s2", list(pages), stacked(*pages.values()))
     assert host.stats.bytes <= host.capacity_bytes and host.stats.spills >= 8
-    order = ["c3", "c11", "c0", "c7", "c1", "c10", "c2", "c9", "c4", "c8", "c5", "c6", "c3"]
+    order = ["c/3", "c/11", "c/0", "c/7", "c/1", "c/10", "c/2", "c/9", "c/4", "c/8", "c/5", "c/6", "c/3"]
     got, from_redis = host.read_many("s2", order)
     assert from_redis > 0
     for i, cid in enumerate(order):
@@ -143,19 +127,19 @@ def test_a_read_larger_than_the_host_tier_returns_every_page_intact(redis_tier):
 
 
 def test_redis_down_host_keeps_its_bound_and_every_page_it_took():
-    dead = RedisTier(RedisClient(DEAD_URL, timeout_s=0.3), namespace="rkvtest-dead")
+    dead = RedisPageStore(RedisClient(DEAD_URL, timeout_s=0.3), namespace="rkvtest-dead")
     try:
-        assert dead.put_pages("s", {"c": make_page(3)}) is False
-        assert dead.healthy is False and dead.stats.errors >= 1 and dead.last_error
-        host = HostTier(capacity_bytes=2 * PAGE_BYTES, redis=dead)
+        assert dead.put("s", {"c/0": make_page(3)}) is False
+        assert dead.client.healthy is False and dead.stats.errors >= 1 and dead.last_error
+        host = HostTier(capacity_bytes=2 * PAGE_BYTES, store=dead)
         for i in range(2):
-            host.put_many("s", [f"c{i}"], stacked(make_page(i)))
+            host.put_many("s", [f"c/{i}"], stacked(make_page(i)))
         # Nothing can spill: a page past the bound is refused, whole, and the tier stays within it.
-        with pytest.raises(HostFull, match="Redis is unavailable"):
-            host.put_many("s", ["c2", "c3"], stacked(make_page(2), make_page(3)))
+        with pytest.raises(HostFull, match="the store is unavailable"):
+            host.put_many("s", ["c/2", "c/3"], stacked(make_page(2), make_page(3)))
         assert host.stats.bytes == 2 * PAGE_BYTES and host.exhausted == 1
-        assert [host.where("s", f"c{i}") for i in range(4)] == ["host", "host", "none", "none"]
-        got, _ = host.read_many("s", ["c0", "c1"])
+        assert [where(host, "s", f"c/{i}") for i in range(4)] == ["host", "host", "none", "none"]
+        got, _ = host.read_many("s", ["c/0", "c/1"])
         assert all(same({k: t[i] for k, t in got.items()}, make_page(i)) for i in range(2))
     finally:
         dead.close()
@@ -165,7 +149,7 @@ def test_without_redis_a_store_past_the_bound_is_refused_and_reservations_hold_r
     host = HostTier(capacity_bytes=4 * PAGE_BYTES, page_bytes=PAGE_BYTES)
     assert host.max_slots == 4 and host.reserve("a", 3)
     assert not host.reserve("b", 2) and host.refused == 1  # only one slot is not held for "a"
-    with pytest.raises(HostFull, match="no Redis"):
+    with pytest.raises(HostFull, match="no store"):
         host.put_many("b", ["p0", "p1"], stacked(make_page(0), make_page(1)))
     host.put_many("b", ["p0"], stacked(make_page(0)))  # the one slot nobody holds
     host.put_many("a", ["p0", "p1", "p2"], stacked(*(make_page(i) for i in range(3))))
@@ -176,7 +160,8 @@ def test_without_redis_a_store_past_the_bound_is_refused_and_reservations_hold_r
     host.release("a")
     assert host.reserve("b", 1) and host.put_many("b", ["p1"], stacked(make_page(1))) == PAGE_BYTES
     assert host.session_bytes("a") == 3 * PAGE_BYTES and host.session_bytes("b") == PAGE_BYTES
-    assert host.drop_session("a") == 3 and host.session_bytes("a") == 0 and host.stats.bytes == PAGE_BYTES
+    host.drop_session("a")
+    assert host.session_bytes("a") == 0 and host.stats.bytes == PAGE_BYTES and host.free_bytes() == 3 * PAGE_BYTES
 
 
 def test_room_set_aside_for_an_ended_turns_job_outlives_the_sessions_next_turn():
@@ -199,7 +184,8 @@ def test_room_set_aside_for_an_ended_turns_job_outlives_the_sessions_next_turn()
     host.release("a#job0")
     assert host.reserved_bytes() == PAGE_BYTES  # the turn's last slot: set-aside room was filled first
     host.set_aside("a", "a#job1")
-    assert host.drop_session("a") == 3 and host.reserved_bytes() == 0  # a dropped session holds nothing
+    host.drop_session("a")
+    assert host.reserved_bytes() == 0 and host.stats.bytes == 0  # a dropped session holds nothing
 
 
 def test_host_tier_calls_run_one_at_a_time():
@@ -213,7 +199,7 @@ def test_host_tier_calls_run_one_at_a_time():
         host.put_many("b", ["p0"], stacked(make_page(1)))
         done.set()
 
-    with host._lock:  # another call in progress
+    with host.lock:  # another call in progress
         worker = threading.Thread(target=store_b)
         worker.start()
         assert not done.wait(0.3)
@@ -224,28 +210,25 @@ def test_host_tier_calls_run_one_at_a_time():
         assert same(got, stacked(make_page(seed)))
 
 
-def test_a_dead_writer_s_unnamed_keys_are_swept_and_what_another_took_over_is_kept(redis_tier, redis_url):
-    client = redis.Redis.from_url(redis_url)
-    ns = redis_tier.ns
-    live = RedisTier(RedisClient(redis_url), namespace=ns, ttl_s=600)
+def test_what_a_dead_holder_left_expires_and_what_a_live_holder_renews_stays(redis_url):
+    """No sweeper: pages a process spilled and no record names are pending; one that died (never renews)
+    leaves them to expire after the short TTL, while a live holder renews its own and reads them back."""
+    ns = f"rkvtest-{secrets.token_hex(4)}"
+    stores = [RedisPageStore(RedisClient(redis_url), namespace=ns, pending_ttl_s=2) for _ in range(2)]
+    dead, live = (HostTier(capacity_bytes=PAGE_BYTES, store=store) for store in stores)
     try:
-        assert redis_tier.put_pages("s1", {"a": make_page(1), "b": make_page(2), "c": make_page(3)})
-        assert live.own("s1", ["b"])  # a restore adopting the dead one's page takes it over
-        assert live.dead_writings() == []  # the writer lives
-        client.delete(f"{ns}:writer:{redis_tier.writer}")  # its liveness lapses (a killed process)
-        assert live.dead_writings() == [(redis_tier.writer, "s1")]
-        assert live.sweep_writer("s1", redis_tier.writer, {"c"}) == 1  # c: its record names it; b: live's
-        head = f"{ns}:session:{{s1}}"
-        assert sorted(k.decode() for k in client.scan_iter(match=f"{head}:kv:*")) == [f"{head}:kv:b", f"{head}:kv:c"]
-        assert client.hget(f"{head}:names", "b") == live.writer.encode() and not client.hexists(f"{head}:names", "a")
-        assert live.dead_writings() == [] and f"{redis_tier.writer}|s1".encode() not in client.zrange(f"{ns}:writing", 0, -1)
-        # A live writer taken for dead (its liveness lapsed, its entries swept) logs its sessions again.
-        client.delete(f"{ns}:writer:{live.writer}")
-        client.zrem(f"{ns}:writing", f"{live.writer}|s1")
-        assert live.keep_alive()
-        assert live.put_pages("s1", {"d": make_page(4)})
-        assert f"{live.writer}|s1".encode() in client.zrange(f"{ns}:writing", 0, -1)
+        for host, sid in ((dead, "s1"), (live, "s2")):
+            host.put_many(sid, ["c/0"], stacked(make_page(0)))
+            host.put_many(sid, ["c/1"], stacked(make_page(1)))  # c/0 spills: its group is pending
+            assert where(host, sid, "c/0") == "redis"
+        time.sleep(1.0)
+        assert live.renew_pending() == 1  # the live holder's one pending group; the dead one renews nothing
+        time.sleep(1.2)  # past the first TTL, within the renewed one
+        client = redis.Redis.from_url(redis_url)
+        assert not client.exists(kv_key(ns, "s1", "c")) and client.exists(kv_key(ns, "s2", "c"))
+        got, from_redis = live.read_many("s2", ["c/0"])
+        assert from_redis == PAGE_BYTES and same({k: t[0] for k, t in got.items()}, make_page(0))
     finally:
-        live.delete_session("s1")
-        client.delete(f"{ns}:writing", f"{ns}:writer:{live.writer}", f"{ns}:writer:{redis_tier.writer}")
-        live.close()
+        clear(redis_url, ns)
+        for store in stores:
+            store.close()

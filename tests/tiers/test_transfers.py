@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from tiers.host import ChunkUnavailable
+from tiers.host.tier import ChunkUnavailable
 from tiers.transfers import Transfers
 
 

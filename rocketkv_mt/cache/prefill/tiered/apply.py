@@ -12,7 +12,7 @@ import torch
 
 from rocketkv_mt.cache.policy import CacheState
 from rocketkv_mt.take_rows import take_rows
-from tiers.cold_layer import ColdLayer
+from tiers.cold.layer import ColdLayer
 
 
 def reorganise(cache: CacheState, cold: ColdLayer, layer: int, slots: torch.Tensor, positions: torch.Tensor,

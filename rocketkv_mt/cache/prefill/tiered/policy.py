@@ -33,8 +33,9 @@ from rocketkv_mt.cache.tier_context import TierContext, TierPolicy
 from rocketkv_mt.dispatch import reselect
 from rocketkv_mt.split_attention import attend_part, join_rows, merge
 from rocketkv_mt.standin import beside
-from tiers.cold_layer import ColdLayer
-from tiers.residency import ColdResidency
+from tiers.cold.ids import PageNamer
+from tiers.cold.layer import ColdLayer
+from tiers.cold.table import ColdResidency
 from tiers.session_kv import KVNotWritten, StoredLayer
 
 
@@ -47,10 +48,11 @@ class ReselectTiered(PrefillPolicy):
             raise ValueError("the tiered mode needs a TierContext (host tier and session id)")
         self.cache, self.tiers = cache, tiers
         spec, policy = cache.spec, tiers.policy
+        self.namer = PageNamer()  # every layer's new pages of a turn share one store group
         self.cold = [
             ColdLayer(tiers.session_id, i, tiers.host, policy.page_tokens, policy.codec, spec.num_kv_heads,
                       spec.head_dim, spec.dtype,
-                      by_keys=policy.pages_by_keys, sketch_bits=policy.sketched)
+                      by_keys=policy.pages_by_keys, sketch_bits=policy.sketched, namer=self.namer)
             for i in range(spec.num_layers)
         ]
         self._pending: list[Pending | Choosing | Settling | None] = [None] * spec.num_layers
@@ -61,6 +63,7 @@ class ReselectTiered(PrefillPolicy):
     def begin_turn(self) -> None:
         self.reads.forget()
         self.settle()
+        self.namer.next_batch()
         for cold in self.cold:  # the memory map's "moved by the last turn" starts here
             cold.new_turn()
 
@@ -268,8 +271,8 @@ class ReselectTiered(PrefillPolicy):
 
     def cold_bytes(self) -> dict[str, int]:
         host, sid = self.tiers.host, self.tiers.session_id
-        redis = host.redis.session_bytes(sid) if host.redis is not None else 0
-        return {"host": host.session_bytes(sid), "redis": redis}
+        stored = host.store.session_bytes(sid) if host.store is not None else 0
+        return {"host": host.session_bytes(sid), "redis": stored}
 
     def release(self) -> None:
         self.reads.forget()
@@ -284,7 +287,7 @@ class ReselectTiered(PrefillPolicy):
     # --- persistence -------------------------------------------------------------------------
     def persist(self) -> dict | None:
         """Write a new KV generation (``tiers.session_kv``: new cold pages, page tables, the primary set)
-        and return its reference with what checks it; None without Redis. A write that failed (what it
+        and return its reference with what checks it; None without a store. A write that failed (what it
         wrote is removed) raises ``KVNotWritten``: the caller's record then names no KV for now."""
         kv, cache = self.tiers.kv, self.cache
         if not kv.available:
@@ -295,7 +298,7 @@ class ReselectTiered(PrefillPolicy):
                   for cold, store in zip(self.cold, cache.layers)]
         got = kv.write(layers)
         if got is None:
-            raise KVNotWritten("Redis did not take the KV generation")
+            raise KVNotWritten("the store did not take the KV generation")
         ref, written = got
         cache.traffic.redis_bytes_written += written
         return {**ref, "cold": [cold.snapshot() for cold in self.cold]}
@@ -315,6 +318,7 @@ class ReselectTiered(PrefillPolicy):
         if pages is None or not kv.adopt(state, pages):
             self._reset_restored()
             return False
+        self.namer.renew()  # new pages of the restored cache go under an epoch of its own
         return True
 
     def _restore_tables(self, tables: list, cold_states: list, history: int) -> list[str] | None:

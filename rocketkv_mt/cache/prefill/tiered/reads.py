@@ -27,7 +27,7 @@ from rocketkv_mt.cold_select import (
 from rocketkv_mt.split_attention import Part
 from rocketkv_mt.standin import StandIn, standin_pages
 from rocketkv_mt.take_rows import take_rows
-from tiers.cold_layer import ColdLayer, Sketched
+from tiers.cold.layer import ColdLayer, Sketched
 
 
 def read_bytes(cand: tuple) -> int:

@@ -1,24 +1,18 @@
 """A process's one connection to Redis: redis-py's asyncio client, driven from a private event-loop thread.
+The page store blocks on each call from the model thread and the page reader (``run``); the session
+records await it from the service's loop (``call``): one set of connections, whichever layer speaks.
+Every call passes a circuit breaker (``tiers.store.redis.breaker``): after a failure, calls fail at once
+with ``RedisUnavailable`` until a probe finds Redis back.
 
-The KV tier (``tiers.redis_tier``) uses it from the model thread and the page reader and blocks on each
-call (``run``); the session records (``app.session_store``) await it from the service's event loop
-(``call``). Both go through the same client and connection pool, on the one loop that owns them, so a
-process holds one set of connections whichever layer speaks.
-
-Every call passes the client's circuit breaker (``tiers.breaker``): once Redis failed to answer, calls
-fail at once with ``RedisUnavailable`` until a probe finds it back, so a Redis that does not answer
-costs one timeout, not one per call. Every outcome updates ``healthy`` and ``last_error``; ``check``
-answers ``/healthz`` within a bounded wait whatever Redis does.
-
-The URL may name a Redis Cluster (``tiers.redis_url``): redis-py's cluster client then routes each
-command by its key's slot. Every session's keys share one slot (``tiers.keys``), so a call on one
-session, pipelines included, goes to one shard. A call that names its key (``run``/``call``'s ``key``)
-passes that shard's own circuit: a dead shard opens its circuit alone, and the sessions on the live
-shards go on. Keyless calls (pings) pass the client's circuit.
+The URL may name a Sentinel set (the client asks the sentinels for the primary and follows a failover)
+or a Redis Cluster (commands routed by their key's slot). Every session's keys share one slot, so a call
+on one session goes to one shard, through that shard's own circuit: a dead shard opens its circuit
+alone, and the sessions on the live shards go on. Keyless calls (pings) pass the client's circuit.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine
@@ -28,10 +22,11 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
-from tiers.breaker import CircuitBreaker
-from tiers.redis_url import is_cluster, parse_cluster
+from tiers.store.redis.breaker import CircuitBreaker
+from tiers.store.redis.url import is_cluster, is_sentinel, parse_cluster, parse_sentinel
 
 T = TypeVar("T")
 # What says Redis is unreachable (as opposed to answering with an error, which it then is not). On a
@@ -47,9 +42,16 @@ class RedisUnavailable(redis.exceptions.ConnectionError):
 
 
 def connect(url: str, timeout_s: float) -> aioredis.Redis | RedisCluster:
-    """An asyncio client of the Redis or the Redis Cluster ``url`` names; bytes in and out (tensors are raw
-    bytes, and JSON decodes from bytes as well)."""
+    """An asyncio client of the Redis, the Sentinel set's primary or the Redis Cluster ``url`` names; bytes
+    in and out (tensors are raw bytes, and JSON decodes from bytes as well)."""
     common = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s, "decode_responses": False}
+    if is_sentinel(url):
+        parsed = parse_sentinel(url)
+        auth = {"username": parsed.username, "password": parsed.password, "ssl": parsed.ssl}
+        sentinels = Sentinel(list(parsed.nodes), sentinel_kwargs={**common, **auth}, **common)
+        # The pool asks the sentinels for the primary at every new connection and drops its connections
+        # when one answers as a replica (a failover happened): calls after a failover reach the new primary.
+        return sentinels.master_for(parsed.service, db=parsed.db, **auth, **common)
     if not is_cluster(url):
         return aioredis.Redis.from_url(url, **common)
     parsed = parse_cluster(url)
@@ -62,13 +64,14 @@ def connect(url: str, timeout_s: float) -> aioredis.Redis | RedisCluster:
 
 class RedisClient:
     def __init__(self, url: str, timeout_s: float = 2.0, retry_s: float = 1.0):
-        """``timeout_s``: per socket operation; ``retry_s``: how long calls fail at once after a failure
-        before one probes again (doubling while probes fail, up to 30 times that)."""
+        """``retry_s``: how long calls fail at once after a failure, until a probe (doubling as probes fail, to 30x)."""
         self.url = url
         self.timeout_s = timeout_s  # per socket operation; a blocking ``run`` waits three times this at most
         self.healthy = True
         self.last_error: str | None = None
         self.cluster = is_cluster(url)
+        self.calls = 0  # round trips sent (a pipeline is one)
+        self.reconnects = 0  # calls answered with their circuit open: Redis is back (its config is read again)
         self.breaker = CircuitBreaker(retry_s, 30 * retry_s)  # keyless calls; every call on one Redis
         self._shards: dict[str, CircuitBreaker] = {}  # a cluster's: one per primary ("host:port"), made on first use
         self._loop = asyncio.new_event_loop()
@@ -84,10 +87,8 @@ class RedisClient:
 
     @staticmethod
     async def _quietly(coro: Coroutine[Any, Any, Any]) -> None:
-        try:
+        with contextlib.suppress(Exception):  # not started now: the first call starts it, through its circuit
             await coro
-        except Exception:  # noqa: BLE001 - not started now: the first call starts it, through its circuit
-            pass
 
     def _shard(self, key: str) -> str | None:
         """The name of the primary serving ``key``'s slot; None before the layout is known."""
@@ -107,11 +108,19 @@ class RedisClient:
         return found
 
     async def _tracked(self, coro: Coroutine[Any, Any, T], breaker: CircuitBreaker) -> T:
-        answered = False
+        answered, was_open = False, breaker.is_open()
+        self.calls += 1
         try:
             result = await coro
             answered = True
         except UNREACHABLE as exc:
+            self.failed(exc, breaker)
+            raise
+        except redis.exceptions.ReadOnlyError as exc:
+            # A primary demoted behind a fixed address (a managed failover moving its name or VIP): its
+            # connections are dropped, so the next ones reach whichever node is primary now.
+            if not self.cluster:
+                await self.redis.connection_pool.disconnect()
             self.failed(exc, breaker)
             raise
         except Exception as exc:  # Redis answered, with an error: it is reachable
@@ -122,6 +131,7 @@ class RedisClient:
             if answered:
                 self.healthy = True
                 breaker.succeeded()
+                self.reconnects += was_open
             else:
                 breaker.abandoned()  # cancelled without an answer: a probe must not stay out
         return result
@@ -134,9 +144,8 @@ class RedisClient:
     def _admit(self, coro: Coroutine[Any, Any, Any], breaker: CircuitBreaker) -> None:
         if not breaker.admit():
             coro.close()  # never sent
-            raise RedisUnavailable(
-                f"Redis failed lately ({self.last_error}); calls fail at once for {breaker.retry_in():.1f} s more"
-            )
+            raise RedisUnavailable(f"Redis failed lately ({self.last_error}); "
+                                   f"calls fail at once for {breaker.retry_in():.1f} s more")
 
     def unavailable(self, key: str | None = None) -> bool:
         """Whether a call on ``key`` now would fail at once (its circuit is open and no probe is due). No key
@@ -164,17 +173,15 @@ class RedisClient:
             raise
 
     async def call(self, coro: Coroutine[Any, Any, T], key: str | None = None) -> T:
-        """Await ``coro`` (made from ``self.redis``; its keys in ``key``'s slot) from any other event loop;
-        raises its error, or ``RedisUnavailable`` at once while its circuit is open."""
+        """``run``, awaited from any other event loop."""
         breaker = self.breaker_of(key)
         self._admit(coro, breaker)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._tracked(coro, breaker), self._loop))
 
     async def per_shard(self, keys: list[str], add: Callable[[Any, str], Any]) -> list[Any]:
-        """Reads across sessions (a listing), from any other event loop: one pipeline per shard, the shards
-        at once, ``add(pipe, key)`` queuing each key's command; the replies in key order. On a cluster a
-        shard that cannot answer gives its error in place of each of its keys' replies, and the others
-        answer; on one Redis the error is raised."""
+        """Reads across sessions (a listing), from any other event loop: one pipeline per shard, all at once,
+        ``add(pipe, key)`` queuing each key's command; the replies in key order. A cluster's shard that
+        cannot answer gives its error as each of its keys' reply; on one Redis the error is raised."""
         groups: dict[str | None, list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(self._shard(key) if self.cluster else None, []).append(i)
@@ -224,11 +231,16 @@ class RedisClient:
             return self.last_error or "Redis did not answer"
         return None
 
+    async def _aclose(self) -> None:
+        await self.redis.aclose()
+        pool = getattr(self.redis, "connection_pool", None)  # a cluster client has none
+        manager = getattr(pool, "sentinel_manager", None)  # a Sentinel set's own clients
+        for sentinel in getattr(manager, "sentinels", ()):
+            await sentinel.aclose()
+
     def close(self) -> None:
         if not self._loop.is_running():  # closed already (a service closes its engine, and so may its owner)
             return
-        try:  # not through the breaker: closing sends nothing
-            asyncio.run_coroutine_threadsafe(self.redis.aclose(), self._loop).result(self.timeout_s * 3)
-        except Exception:  # noqa: BLE001 - closing a connection that is already gone
-            pass
+        with contextlib.suppress(Exception):  # not through the breaker; a connection already gone is closed
+            asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result(self.timeout_s * 3)
         self._loop.call_soon_threadsafe(self._loop.stop)

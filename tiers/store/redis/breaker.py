@@ -4,11 +4,9 @@ timeout, not one per call.
 Closed, every call goes out. A connection failure or a timeout opens it: calls are refused at once
 (the caller's ``RedisUnavailable``) until the backoff has passed; then one call goes out as the probe
 while the others are still refused. The probe's success closes the circuit; its failure opens it again
-for twice as long, up to ``most_s``. Any call that answers closes it (Redis is back).
-
-Owned by ``tiers.redis_client.RedisClient``, which asks it before every call and reports every outcome;
-the model thread, the page reader and the event loops all call through that client, so the state sits
-behind its own lock (never held across a call).
+for twice as long, up to ``most_s``. Any call that answers closes it (Redis is back). Its owner,
+``tiers.store.redis.client.RedisClient``, asks it before every call and reports every outcome; every
+thread calls through that client, so the state sits behind its own lock (never held across a call).
 """
 from __future__ import annotations
 
@@ -28,9 +26,7 @@ class CircuitBreaker:
         self.opened = 0  # times the circuit opened (a metric)
         self.refused = 0  # calls refused while it was open (a metric)
 
-    @property
-    def state(self) -> str:
-        return self._state
+    state = property(lambda self: self._state)
 
     def is_open(self) -> bool:
         """Whether a failure was the last word (open, or a probe out): Redis counts as unavailable."""
@@ -79,7 +75,6 @@ class CircuitBreaker:
             if self._state == "probing":
                 self._state, self._retry_at = "open", self._clock()
 
-    def as_dict(self) -> dict[str, int]:
-        """Figures for ``/metrics``: whether it is open now, how often it opened, the calls it refused."""
+    def as_dict(self) -> dict[str, int]:  # figures for ``/metrics``
         return {"redis_circuit_open": int(self.is_open()), "redis_circuit_opens": self.opened,
                 "redis_calls_refused": self.refused}

@@ -2,11 +2,9 @@
 
 The pool is allocated whole when its layout is known (the first page: every later page has the same
 fields, shapes and dtypes), pinned when CUDA is present so copies to the device can be asynchronous,
-and never grows: ``max_slots`` is a hard bound. A caller that finds no free slot makes room or is
-refused (``tiers.host``). Reads gather into new tensors, so nothing returned aliases a slot that a
-later write may reuse.
-
-No lock of its own: only ``tiers.host.HostTier`` calls it, under the tier's lock.
+and never grows: ``max_slots`` is a hard bound. Reads gather into new tensors, so nothing returned
+aliases a slot that a later write may reuse. No lock of its own: only ``tiers.host.tier.HostTier``
+calls it, under the tier's lock, and makes room or refuses a store when no slot is free.
 """
 from __future__ import annotations
 
@@ -17,10 +15,8 @@ from tiers.base import PageBatch
 
 class HostPool:
     def __init__(self, capacity_bytes: int, pin: bool, page_bytes: int | None = None):
-        """``page_bytes``: the size of one page when known before the first one (so the bound in slots
-        is known to admission from the start); else taken from the first page."""
-        self.capacity_bytes = capacity_bytes
-        self.pin = pin
+        """``page_bytes``: one page's size if known before the first page (admission then knows the bound)."""
+        self.capacity_bytes, self.pin = capacity_bytes, pin
         self.page_bytes = page_bytes or 0
         self._fields: PageBatch = {}
         self._free: list[int] = []
@@ -30,14 +26,9 @@ class HostPool:
     def max_slots(self) -> int:
         return max(1, self.capacity_bytes // self.page_bytes) if self.page_bytes else 0
 
-    @property
-    def laid_out(self) -> bool:
-        return bool(self._fields)
-
     def lay_out(self, batch: PageBatch) -> None:
-        """Check a batch of pages (a leading page axis) against the pool's layout; the first one sets it
-        and allocates the whole bound at once. (Growing it batch by batch copied the pool again and
-        again. On a CPU the untouched rows cost no memory; pinned, the bound is taken once at start.)"""
+        """Check a batch of pages (a leading page axis) against the pool's layout; the first sets it and allocates the
+        whole bound (growing batch by batch copied it again and again; untouched rows cost no memory unless pinned)."""
         nbytes = sum(t[0].numel() * t.element_size() for t in batch.values())
         if not self._fields:
             if self.page_bytes and nbytes != self.page_bytes:
@@ -68,7 +59,6 @@ class HostPool:
 
     # --- bytes -------------------------------------------------------------------------------
     def write(self, slots: list[int], batch: PageBatch) -> None:
-        """Copy pages (in slot order) into their slots."""
         index = torch.tensor(slots, dtype=torch.long)
         for name, t in batch.items():
             self._fields[name].index_copy_(0, index, t.to(self._fields[name].dtype).cpu())
@@ -89,8 +79,7 @@ class HostPool:
                 out[name].index_copy_(0, torch.tensor(at, dtype=torch.long), t.index_select(0, index))
 
     def copies(self, slots: list[int]) -> list[PageBatch]:
-        """Each slot's page as tensors of its own (no page axis), in one gather (not pinned: they go to
-        Redis, not to the device)."""
+        """Each slot's page as tensors of its own (no page axis), in one gather; not pinned: they go to the store."""
         out = self.empty(len(slots), pinned=False)
         self.gather(slots, out)
         return [{name: t[i] for name, t in out.items()} for i in range(len(slots))]

@@ -1,14 +1,13 @@
 """A few bits per key channel, within the page's digest: enough to estimate every cold token's Stage-1
 score without reading its page.
 
-A page's digest already holds each channel's range [kmin, kmax] over its tokens (as KIVI quantizes
-keys: per channel, in groups of tokens, because their outliers sit in fixed channels). The sketch
-adds, per token and channel, which of 2**bits equal steps of that range the key falls in, packed
-8 // bits codes to a byte. Read back, a key is the middle of its step, off by at most half a step:
-the window's logits over the sketch are close enough to rank tokens as the exact ones do, for
-d * bits / 8 bytes a token instead of the key's and value's 2 * d * itemsize.
-
-Shapes: m pages, P tokens per page, d head dim (a multiple of 8 // bits), c = d * bits // 8.
+A page's digest already holds each channel's range [kmin, kmax] over its tokens (as KIVI quantizes keys:
+per channel, in groups of tokens, because their outliers sit in fixed channels). The sketch adds, per
+token and channel, which of 2**bits equal steps of that range the key falls in, packed 8 // bits codes to
+a byte. Read back, a key is the middle of its step, off by at most half a step: the window's logits over
+the sketch are close enough to rank tokens as the exact ones do, for d * bits / 8 bytes a token instead
+of the key's and value's 2 * d * itemsize. Shapes: m pages, P tokens per page, d head dim (a multiple of
+8 // bits), c = d * bits // 8.
 """
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def encode(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int
 
 def decode(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int,
            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Estimated keys (..., P, d) in ``dtype`` (computed in float32) from packed codes (..., P, c) and
-    their pages' bounds (..., d)."""
+    """Estimated keys (..., P, d) in ``dtype``, computed in float32, from codes (..., P, c) and bounds (..., d)."""
     d = kmin.shape[-1]
     per_byte = codes_per_byte(bits, d)
     # Every byte value's codes, unpacked and centred in their steps: one table lookup per byte instead

@@ -1,18 +1,16 @@
 """Which demoted tokens share a cold page: tokens whose keys lie close together.
 
-A page's digest bounds every key it holds, channel by channel; the bound is tight only when those
-keys are alike. Tokens next to each other in the text often are not, so a page of consecutive
-positions has loose bounds and a query's best tokens are spread over many pages. Grouping a
-demotion's tokens by their keys instead gives pages whose bounds rank them well and whose tokens a
-query tends to want together.
+A page's digest bounds every key it holds, channel by channel; the bound is tight only when those keys
+are alike. Neighbours in the text often are not, so a page of consecutive positions has loose bounds and
+a query's best tokens are spread over many pages. Grouping a demotion's tokens by their keys gives pages
+whose bounds rank them well and whose tokens a query tends to want together.
 
 The grouping is a balanced k-d split in the keys' principal axes: the keys are projected on their
-``RANK`` main directions (one eigendecomposition of a d x d covariance per KV head), then each group
-is cut in two at the median along the axis on which it spreads most, again and again, until it fits
-a page. A group of s tokens keeps ceil(pages / 2) whole pages on one side, so every group but the
-last of a head holds whole pages, and there are as many pages as paging by position gives.
-
-Shapes: n tokens (several KV heads' runs one after another), d head dim, P tokens per page.
+``RANK`` main directions (one eigendecomposition of a d x d covariance per KV head), then each group is
+cut in two at the median along the axis on which it spreads most, again and again, until it fits a page.
+A group keeps ceil(pages / 2) whole pages on one side, so every group but the last of a head holds whole
+pages, and there are as many pages as paging by position gives. Shapes: n tokens (several KV heads' runs
+one after another), d head dim, P tokens per page.
 """
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ def group_by_keys(keys: torch.Tensor, page_tokens: int, parts: list[int] | None 
     """An order of the n tokens (a permutation, (n,) int64) whose consecutive runs of ``page_tokens``
     are groups of similar keys. keys (n, d). ``parts``: the sizes of consecutive parts (one per KV
     head) grouped on their own, each part's tokens staying in its place; default one part."""
-    n = keys.shape[0]
-    device = keys.device
+    n, device = keys.shape[0], keys.device
     order = torch.arange(n, device=device)
     sizes = torch.tensor(parts if parts is not None else [n], dtype=torch.long, device=device)
     if not bool((sizes > page_tokens).any()):

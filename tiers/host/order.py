@@ -1,11 +1,9 @@
-"""The host tier's stores in flight (``tiers.host``), in the order they began, and the wait of one that
-finds no page to spill because every page that could make way is another store's.
+"""The host tier's stores in flight, in the order they began, and the wait of one that finds no page to
+spill because every page that could make way is another store's (``wait``).
 
-Such a store waits until slots come free or pages land (resident pages may spill), or until nothing in
-flight could land any. Only the oldest store waits holding slots; a younger one gives its slots back
-first, so no two waiting stores hold what the other needs. A store waiting with no slot (idle) lands
-nothing until woken, so it does not count as one that will. Every method runs under the tier's lock,
-which the condition shares.
+Only the oldest store waits holding slots; a younger one gives its slots back first, so no two waiting
+stores hold what the other needs. A store waiting with no slot (idle) lands nothing until woken, so it
+does not count as one that will. Every method runs under the tier's lock, which the condition shares.
 """
 from __future__ import annotations
 
@@ -25,7 +23,6 @@ class StoreOrder:
         self.waits = 0  # times a store waited (a counter for tests and stats)
 
     def begin(self) -> int:
-        """A store starts: its ticket."""
         ticket = next(self._tickets)
         self._active.add(ticket)
         return ticket
@@ -44,8 +41,8 @@ class StoreOrder:
         return spilling or len(self._active) - 1 - (self._idle - (not holding)) > 0
 
     def wait(self, holding: bool, deadline: float, spilling: Callable[[], bool]) -> bool:
-        """Wait until slots come free or pages land, or until nothing in flight could land any (the
-        caller then finds itself short); False past ``deadline`` (``time.monotonic``)."""
+        """Wait until slots come free or pages land (resident pages may then spill), or until nothing in
+        flight could land any (the caller then finds itself short); False past ``deadline`` (monotonic)."""
         seen = self._progress
         self.waits += 1
         self._idle += not holding
