@@ -22,7 +22,7 @@ CHECKS = (
 )
 SERVER = (  # the replicas' counters (``/v1/stats``, summed over replicas and their lives)
     ("caches_kv_restored", "session caches restored from Redis KV"),
-    ("caches_kv_restore_failed", "restores that found KV gone (rebuilt)"),
+    ("caches_kv_restore_failed", "restores whose KV could not be read, Redis down or KV gone (rebuilt)"),
     ("caches_replayed", "caches rebuilt by replaying their feeds"),
     ("caches_reprefilled", "caches rebuilt by prefilling the history"),
     ("store_losses", "copies the store was found behind (saved back)"),

@@ -141,6 +141,7 @@ class HistoryFindings:
     changed: list[int] = field(default_factory=list)  # there, with another reply than the one acknowledged
     gaps: list[int] = field(default_factory=list)  # there, though an acknowledged turn before them is not
     unexpected: int = 0  # turns there that no client acknowledged (the one in doubt aside)
+    returned: int = 0  # turns its client sent and let go of (not saved, or in doubt), saved back since: allowed
     reordered: bool = False
     tokens_rewritten: bool = False  # the ids read back after a turn are not a prefix of the final ids
     tokens_differ: bool = False  # the final ids are not the ones read back after the last acknowledged turn
@@ -183,12 +184,14 @@ def _is_prefix(short: list[int], long: list[int]) -> bool:
 
 
 def compare_history(acked: list[Acked], messages: list[dict[str, Any]], token_ids: list[int],
-                    in_doubt: str | None = None) -> HistoryFindings:
+                    in_doubt: str | None = None, sent: dict[str, str | None] | None = None) -> HistoryFindings:
     """What differs between a session's history read back (``messages``, ``token_ids``) and its
     acknowledged turns. ``in_doubt``: the message of a turn sent but never acknowledged, which may be in
     the history once (or not at all). Turns are told apart by their messages, unique in a session. A
     missing turn acknowledged as not durable is allowed (the store may lose it), but then so are all the
-    turns after it: one there after a missing one is a gap."""
+    turns after it: one there after a missing one is a gap. ``sent``: every message the client sent, with
+    the reply it was acknowledged (None: never): one it let go of, there once with that reply, was saved
+    back by the replica that held it (``reconcile``'s "returned"), not a turn nobody sent."""
     found = HistoryFindings()
     final = pairs(messages)
     contents = [c for c, _ in final]
@@ -210,7 +213,9 @@ def compare_history(acked: list[Acked], messages: list[dict[str, Any]], token_id
     extra = [c for c in contents if c not in known]
     if in_doubt is not None and extra.count(in_doubt) == 1:
         extra.remove(in_doubt)
-    found.unexpected = len(extra)
+    sent, replies = sent or {}, dict(final)
+    found.returned = sum(1 for c in extra if c in sent and extra.count(c) == 1 and sent[c] in (None, replies[c]))
+    found.unexpected = len(extra) - found.returned
     order = [position[t.content] for t in acked if t.content in position]
     found.reordered = order != sorted(order)
     # Ids read back after a turn that is gone say nothing of the final ids.

@@ -125,9 +125,10 @@ async def check_histories(http, fleet: Fleet, logs: list[SessionLog]) -> tuple[d
         else:
             data = answer.json()
             finals[s.sid] = data["messages"]
-            found = compare_history(s.turns, data["messages"], data["token_ids"], s.in_doubt)
+            found = compare_history(s.turns, data["messages"], data["token_ids"], s.in_doubt, s.sent)
             for name in ("lost", "lost_not_durable", "duplicated", "changed", "gaps"):
                 turns[name] += len(getattr(found, name))
+            turns["returned"] += found.returned
             turns["unexpected"] += found.unexpected + s.foreign
             if not found.ok or earlier:
                 bad.append({"session": s.sid, "turns_acknowledged": len(s.turns), "gave_up": s.gave_up,

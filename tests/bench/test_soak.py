@@ -170,6 +170,15 @@ def test_reconcile_keeps_the_common_start_and_adopts_the_turn_in_doubt():
     assert [t.content for t in reconcile(acked, _messages([("a", "A"), ("b", "X")])).lost] == ["b", "c"]
 
 
+def test_compare_history_allows_turns_the_client_let_go_of_saved_back_with_their_reply():
+    acked = [Acked(0, "a", "A")]
+    sent = {"a": "A", "b": "B", "c": None}  # b acknowledged as not saved then found gone; c in doubt, dropped
+    back = compare_history(acked, _messages([("a", "A"), ("b", "B"), ("c", "C")]), [1, 2, 3], sent=sent)
+    assert back.ok and back.returned == 2 and not back.unexpected
+    other = compare_history(acked, _messages([("a", "A"), ("b", "X"), ("z", "Z")]), [1, 2, 3], sent=sent)
+    assert not other.ok and other.unexpected == 2 and not other.returned
+
+
 def test_reconcile_takes_back_turns_the_client_let_go_of_and_only_those():
     """Turns the client sent and let go of (not saved, or in doubt), saved back later by the replica that
     held them, are its own; a message it never sent, or another reply than it was acknowledged, is not."""
