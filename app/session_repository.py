@@ -196,8 +196,7 @@ class SessionRepository:
         tag, kv = self._attempted.pop(sid)
         landed = stored.tag == tag or tag in stored.lineage
         if landed:  # before the await: a save starting meanwhile must build on it
-            self._head[sid] = self._base[sid] = tag
-            self._lineage[sid] = [*self._lineage.get(sid, []), tag][-LINEAGE:]
+            self._committed(sid, tag)
         await self.engine.kv_settled(sid, kv, committed=landed)
 
     async def _settled(self, session: Session, kv: dict | None, result, verdict: str | None, tag: str,
@@ -220,8 +219,7 @@ class SessionRepository:
             self._unsaved.add(sid)  # rounds spent (the store keeps losing what this writes): tried again later
             return None, NOT_SAVED
         await self.engine.kv_settled(sid, kv, committed=True)
-        self._head[sid] = self._base[sid] = tag
-        self._lineage[sid] = [*self._lineage.get(sid, []), tag][-LINEAGE:]
+        self._committed(sid, tag)
         self._unsaved.discard(sid)
         self._kv_missing.discard(sid)
         if session.kv_unwritten:
@@ -232,6 +230,11 @@ class SessionRepository:
         with contextlib.suppress(Exception):  # fresh totals for /metrics; housekeeping pushes them anyway
             await self.push_stats()
         return SAVED, result.saved
+
+    def _committed(self, sid: str, tag: str) -> None:
+        """This copy's commit of ``tag`` stands: its head and base, the last of its lineage."""
+        self._head[sid] = self._base[sid] = tag
+        self._lineage[sid] = [*self._lineage.get(sid, []), tag][-LINEAGE:]
 
     def _found_behind(self, sid: str, stored: Stored) -> None:
         """The store lost saves of this copy and nobody went on (or it lost the record): this copy is the
