@@ -40,6 +40,7 @@ class SessionLog:
     begun: int = 0  # turns begun: each new turn's index, so messages and keys never repeat in a session
     lost: list[Acked] = field(default_factory=list)  # acknowledged turns a read-back showed gone
     foreign: int = 0  # turns a read-back showed that the client never sent
+    foreign_seen: dict[str, Any] | None = None  # the first read-back that showed such turns: where to look
     returned: int = 0  # turns it let go of (not saved, or in doubt) that a read-back showed saved back since
     sent: dict[str, str | None] = field(default_factory=dict)  # every message sent -> the reply acknowledged
     deleted: bool = False

@@ -104,7 +104,7 @@ async def check_histories(http, fleet: Fleet, logs: list[SessionLog]) -> tuple[d
         # What its client found gone, or never sent, along the way (deleted sessions too): durable turns lost
         # are violations; the others the tally counts.
         earlier = {"lost_earlier": [t.index for t in s.lost if t.durable]} if any(t.durable for t in s.lost) else {}
-        earlier |= {"foreign": s.foreign} if s.foreign else {}
+        earlier |= {"foreign": s.foreign, "foreign_seen": s.foreign_seen} if s.foreign else {}
         turns["lost"] += len(earlier.get("lost_earlier", []))
         if s.deleted or s.delete_in_doubt:
             if earlier:

@@ -2,6 +2,7 @@
 exactly what it would have got alone (greedy and seeded sampling), its own cancellation, and its
 own failures; the batched decode kernel gives the per-session torch path's tokens."""
 import asyncio
+import concurrent.futures
 
 import pytest
 import torch
@@ -180,5 +181,8 @@ async def test_the_model_thread_and_page_reader_flush_subnormal_floats_as_set(ma
     for flush in (True, False):
         engine = make_engine(flush_denormal=flush)
         assert await engine.batcher.run(flushes_here) is flush
-        assert engine.transfers.wait(engine.transfers.start(flushes_here)) is flush
+        job = engine.transfers.start(flushes_here)
+        # Let the worker claim it: a wait before then would run it in this (non-flushing) thread.
+        concurrent.futures.wait([job], timeout=30)
+        assert engine.transfers.wait(job) is flush
     assert not flushes_here()
