@@ -274,9 +274,10 @@ async def test_chunked_prefills_share_one_extra_in_the_device_budget(make_engine
     engine.memory_account.budget = 1
     texts = [message(engine, 8, 230), message(engine, 9, 230)]
     mem = engine.memory_account
-    needs, extras = [], []
+    needs, extras, fed = [], [], 0
     for session, text in zip((a, b), texts):
         n = len(engine._turn_ids(session, text))
+        fed += n
         needs.append(mem.turn_bound(session, n, PARAMS.max_tokens))
         extras.append(mem.turn_bound(session, n, PARAMS.max_tokens, prefill_chunk=CHUNK) - needs[-1])
     assert min(extras) > 0
@@ -287,7 +288,9 @@ async def test_chunked_prefills_share_one_extra_in_the_device_budget(make_engine
     stats = engine.stats()
     assert stats["turns_refused_device_memory"] == 0 and stats["device_reservation_overruns"] == 0
     assert 0 < stats["peak_device_bytes"] <= mem.budget
-    assert engine.batcher.stats.prefill_chunks >= 8 and not mem.chunking
+    # At most CHUNK prefill tokens a step, the two prefills' last chunks aside: that many chunks at least
+    # (how the steps split the tokens between the two turns depends on timing).
+    assert engine.batcher.stats.prefill_chunks >= -(-fed // CHUNK) - 2 and not mem.chunking
 
 
 async def _stopped_turn(engine, session, how: str, monkeypatch) -> None:

@@ -1,6 +1,5 @@
-"""What Redis is set up to promise: whether it may evict keys, and whether a write it acknowledged
-survives its own crash. Read at start and again whenever Redis answers after failing (a restart, a
-failover to another primary), from every primary.
+"""What Redis is set up to promise: whether it may evict keys, and whether a write it acknowledged survives its
+own crash. Read at start and again whenever Redis answers after failing (a restart, a failover), from every primary.
 
 A session's record, and the KV it names, must not be evicted: under any evicting ``maxmemory-policy``
 (the ``volatile-*`` ones included, since every key here has a TTL) a record or a page could vanish while
@@ -33,16 +32,19 @@ class StoreConfig:
 
     def refusal(self) -> str | None:
         """Why this Redis must not hold sessions, or None."""
-        if not self.evicting:
-            return None
-        return (f"Redis evicts keys under memory pressure (maxmemory-policy {self.policy}): an acknowledged "
-                "session could vanish. Set `maxmemory-policy noeviction` on every primary, or allow it "
-                "knowingly with RKV_REDIS_ALLOW_EVICTION=true.")
+        return None if not self.evicting else (
+            f"Redis evicts keys under memory pressure (maxmemory-policy {self.policy}): an acknowledged session could "
+            "vanish. Set `maxmemory-policy noeviction` on every primary, or allow it knowingly with "
+            "RKV_REDIS_ALLOW_EVICTION=true.")
 
 
 def _decoded(reply: dict) -> dict[str, str]:
     return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in reply.items()}
+
+
+def _per_node(reply: Any, cluster: bool) -> list[dict]:  # a cluster maps each primary to its own answer
+    return list(reply.values()) if cluster and reply and all(isinstance(v, dict) for v in reply.values()) else [reply]
 
 
 def _one(reply: dict) -> StoreConfig:
@@ -67,8 +69,7 @@ async def read_config(redis: Any, cluster: bool) -> StoreConfig:
     try:
         if cluster:
             reply = await redis.config_get(*names, target_nodes=RedisCluster.PRIMARIES)
-            replies = list(reply.values()) if reply and all(isinstance(v, dict) for v in reply.values()) else [reply]
-            return weakest([_one(r) for r in replies])
+            return weakest([_one(r) for r in _per_node(reply, cluster)])
         return _one(await redis.config_get(*names))
     except Exception as exc:  # noqa: BLE001 - an ACL or a renamed CONFIG (managed Redis): ask INFO instead
         if not _refused(exc):
@@ -88,5 +89,4 @@ async def _from_info(redis: Any, cluster: bool) -> StoreConfig:
         if _refused(exc):
             return StoreConfig()
         raise
-    nodes = list(info.values()) if cluster and all(isinstance(v, dict) for v in info.values()) else [info]
-    return weakest([StoreConfig(_decoded(n).get("maxmemory_policy", "unknown")) for n in nodes])
+    return weakest([StoreConfig(_decoded(n).get("maxmemory_policy", "unknown")) for n in _per_node(info, cluster)])
