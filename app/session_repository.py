@@ -116,17 +116,25 @@ class SessionRepository:
             if self.refusal is not None or not await self._resolved(sid):
                 self._unsaved.add(sid)
                 return None, NOT_SAVED
+            mark = _shape(session)
             kv = await self.engine.persist(sid)
+            if _shape(session) != mark:
+                # A turn began (or ran) while the KV was written: a record now would hold it half-way (its
+                # message without its reply); its own end saves the session.
+                await self._abandon(session, kv)
+                return DEFERRED, NOT_SAVED
             if kv is None and kv_only and session.kv_unwritten:
                 return DEFERRED, NOT_SAVED  # Redis still takes no KV: the record as it is holds this history
-            return await self._commit(session, digest, kv, retry, tells)
+            return await self._commit(session, digest, kv, retry, tells, mark)
 
     def _not_mine(self, sid: str) -> str:
         """Why a copy that must not serve again does not: deleted, diverged, or moved on."""
         return DELETED if sid in self.deleted else DIVERGED if sid in self.divergences else MOVED
 
     async def _commit(self, session: Session, digest: str, kv: dict | None, retry: bool,
-                      tells: bool) -> tuple[str | None, Saved]:
+                      tells: bool, mark: tuple) -> tuple[str | None, Saved]:
+        """Commit the session as it stands (``mark``: its shape when ``kv`` was written; no await between
+        that check and ``record``, which copies the state)."""
         sid = session.id
         lineage = self._lineage.setdefault(sid, [])
         verdict, result = None, None
@@ -163,6 +171,9 @@ class SessionRepository:
                 break
             self.engine.distrust_kv(sid)
             kv = await self.engine.persist(sid)
+            if _shape(session) != mark:  # a turn began meanwhile (see ``save``)
+                await self._abandon(session, kv)
+                return DEFERRED, NOT_SAVED
         return await self._settled(session, kv, result, verdict, tag, retry, tells)
 
     async def _abandon(self, session: Session, kv: dict | None) -> None:
@@ -368,6 +379,12 @@ class SessionRepository:
         with contextlib.suppress(Exception):
             await self.store.drop_replica_stats(self.replica)
         await self.store.close()
+
+
+def _shape(session: Session) -> tuple[bool, int, int]:
+    """What a turn changes as it begins and ends: a save commits the session only where this held still
+    from its KV's writing to its record."""
+    return session.busy, len(session.messages), len(session.token_ids)
 
 
 def stored_bytes(data: dict[str, Any], kv: dict | None) -> int:
