@@ -12,6 +12,7 @@ from app.contract.errors import (
     MessageTooLarge,
     SessionBusy,
     SessionNotFound,
+    StoreUnavailable,
     UnknownMode,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "MessageTooLarge",
     "SessionBusy",
     "SessionNotFound",
+    "StoreUnavailable",
     "TurnCancelled",
     "UnknownMode",
 ]

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from app.engine.batcher import Batcher
-from app.engine.errors import ChatError, TurnCancelled
+from app.engine.errors import ChatError, StoreUnavailable, TurnCancelled
 from app.engine.events import TurnStatus
 from app.engine.memory import DeviceMemory
 from app.engine.sampling import Sampler, SamplingParams
@@ -40,6 +40,7 @@ from app.engine.session import Feed, Session
 from app.engine.steps import PrefillGate
 from app.settings import Settings
 from rocketkv_mt.cache import SessionCache
+from tiers.host.tier import ChunkUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -136,9 +137,15 @@ class CacheRebuild:
                 async for status in statuses:
                     yield status
         except BaseException as exc:
-            if isinstance(exc, _STOPS):
+            if isinstance(exc, (*_STOPS, ChunkUnavailable)):
                 gate.undone = True
             await self._drop_rebuilt(session, wait=isinstance(exc, Exception))
+            if isinstance(exc, ChunkUnavailable):
+                # Pages the replay demoted spilled to Redis, unreachable now: not this turn's fault, and
+                # nothing was sent; the session is as before it (its cache still to rebuild).
+                raise StoreUnavailable("part of this session's history lies in Redis, which cannot be reached "
+                                       "now, so its cache cannot be rebuilt; the session is unchanged: retry later"
+                                       ) from exc
             raise
         session.feeds, session.lost_fed = feeds, 0
 
