@@ -120,9 +120,8 @@ class SessionRepository:
             kv = await self.engine.persist(sid)
             if _shape(session) != mark:
                 # A turn began (or ran) while the KV was written: a record now would hold it half-way (its
-                # message without its reply); its own end saves the session.
-                await self._abandon(session, kv)
-                return DEFERRED, NOT_SAVED
+                # message without its reply); its own end saves the session (housekeeping, if it is undone).
+                return await self._stepped_back(session, kv)
             if kv is None and kv_only and session.kv_unwritten:
                 return DEFERRED, NOT_SAVED  # Redis still takes no KV: the record as it is holds this history
             return await self._commit(session, digest, kv, retry, tells, mark)
@@ -172,9 +171,13 @@ class SessionRepository:
             self.engine.distrust_kv(sid)
             kv = await self.engine.persist(sid)
             if _shape(session) != mark:  # a turn began meanwhile (see ``save``)
-                await self._abandon(session, kv)
-                return DEFERRED, NOT_SAVED
+                return await self._stepped_back(session, kv)
         return await self._settled(session, kv, result, verdict, tag, retry, tells)
+
+    async def _stepped_back(self, session: Session, kv: dict | None) -> tuple[str, Saved]:
+        self._unsaved.add(session.id)
+        await self._abandon(session, kv)
+        return DEFERRED, NOT_SAVED
 
     async def _abandon(self, session: Session, kv: dict | None) -> None:
         """A generation whose commit did not land goes, unless a cache off the device still stands on it."""

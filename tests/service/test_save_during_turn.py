@@ -55,9 +55,10 @@ async def test_a_turn_that_begins_while_a_save_writes_kv_is_never_committed_half
         assert [m["content"] for m in data["messages"]] == before  # the record before the turn, untouched
         assert outcome == DEFERRED and not saved.saved
         assert writes == (1 if when == "kv_written" else 2)
+        assert repo.unsaved == 1  # saved again by housekeeping if the turn that overtook it is undone
 
         done = await began[0]  # the turn's own save commits it whole
-        assert done.storage.saved
+        assert done.storage.saved and repo.unsaved == 0
         data, _ = await repo.store.load(sid)
         assert data["messages"] == session.messages and data["messages"][-1]["role"] == "assistant"
         assert data["token_ids"] == session.token_ids
