@@ -18,24 +18,27 @@ from tiers.store.redis.script import Script
 
 TOTAL = "~total"
 
-# KEYS = index, bytes; ARGV = ttl, now, then (session, expiry, bytes) triples (expiry '' = remove it).
-# Entries past ``now`` go first; the keys live as long as their newest entry.
+# KEYS = index, bytes; ARGV = ttl, then (session, seconds it lives, bytes) triples ('' = remove it).
+# Times are Redis's own (TIME): replicas' clocks may differ, the store's is the one that expires records.
+# Entries past now go first; the keys live as long as their newest entry.
 _UPDATE = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
 local function drop(sid)
   local had = tonumber(redis.call('HGET', KEYS[2], sid) or '0')
   redis.call('HDEL', KEYS[2], sid)
   redis.call('HINCRBY', KEYS[2], '~total', -had)
   redis.call('ZREM', KEYS[1], sid)
 end
-for _, sid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])) do drop(sid) end
-for i = 3, #ARGV, 3 do
+for _, sid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do drop(sid) end
+for i = 2, #ARGV, 3 do
   if ARGV[i + 1] == '' then
     drop(ARGV[i])
   else
     local had = tonumber(redis.call('HGET', KEYS[2], ARGV[i]) or '0')
     redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 2])
     redis.call('HINCRBY', KEYS[2], '~total', tonumber(ARGV[i + 2]) - had)
-    redis.call('ZADD', KEYS[1], ARGV[i + 1], ARGV[i])
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[i + 1]), ARGV[i])
   end
 end
 if redis.call('ZCARD', KEYS[1]) == 0 then
@@ -61,12 +64,13 @@ class OwnerIndex:
     async def _run(self, owner: str | None, triples: list[str]) -> tuple[int, int]:
         keys = self._keys(owner)
         sessions, nbytes = await self.client.call(
-            self._update(keys, [str(self.ttl_s), repr(time.time()), *triples]), key=keys[0])
+            self._update(keys, [str(self.ttl_s), *triples]), key=keys[0])
         self._seen[owner] = (time.monotonic(), (int(sessions), int(nbytes)))
         return int(sessions), int(nbytes)
 
-    async def put(self, owner: str | None, session_id: str, expires_at: float, nbytes: int) -> None:
-        await self._run(owner, [session_id, repr(expires_at), str(int(nbytes))])
+    async def put(self, owner: str | None, session_id: str, lives_s: float, nbytes: int) -> None:
+        """Index the session as living ``lives_s`` more seconds (its record's TTL), holding ``nbytes``."""
+        await self._run(owner, [session_id, repr(float(lives_s)), str(int(nbytes))])
 
     async def drop(self, owner: str | None, session_ids: list[str]) -> None:
         await self._run(owner, [v for sid in session_ids for v in (sid, "", "0")])

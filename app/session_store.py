@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -218,7 +217,7 @@ class SessionStore:
         code = int(reply[0])
         if code == 1:
             try:  # best effort: the record is committed, and a listing entry behind costs no session
-                await self.owners.put(data.get("owner"), data["id"], time.time() + self.ttl_s, stored_bytes)
+                await self.owners.put(data.get("owner"), data["id"], self.ttl_s, stored_bytes)
             except Exception as exc:  # noqa: BLE001 - the owner's shard is out, or Redis is full
                 log.warning("session %s saved but not listed (%s: %s)", data["id"], type(exc).__name__, exc)
             return SaveResult(SAVED, saved=self._saved(replicas))

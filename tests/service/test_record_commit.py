@@ -97,11 +97,23 @@ def test_listings_and_usage_are_per_owner_and_forget_what_expired(stores):
     save(store, "b1", None, "t", ["t"], {}, owner="o2", nbytes=7)
     assert [s["owner"] for s in asyncio.run(store.summaries(owner="o1"))] == ["o1", "o1"]
     assert asyncio.run(store.owners.usage("o1")) == (2, 150)
-    asyncio.run(store.owners.put("o1", "a1", time.time() - 1, 100))  # a1's record expired
+    asyncio.run(store.owners.put("o1", "a1", -1, 100))  # a1's record expired (by Redis's clock)
     assert asyncio.run(store.owners.usage("o1")) == (1, 50)
     raw.delete(session_key(store.ns, "a2"))  # gone without the index knowing: the listing drops it
     assert asyncio.run(store.summaries(owner="o1")) == [] and asyncio.run(store.owners.usage("o1")) == (0, 0)
     assert asyncio.run(store.owners.usage("o2")) == (1, 7)
+
+
+def test_the_owner_index_keeps_time_by_redis_not_by_a_replica_s_clock(stores, monkeypatch):
+    """A replica whose clock runs a day ahead neither forgets the sessions others indexed nor keeps its own
+    past their records' expiry: every time the index compares is Redis's."""
+    store, _ = stores
+    save(store, "a1", None, "t", ["t"], {}, owner="o1", nbytes=10)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 86_400)  # records here live 1,000 s
+    save(store, "a2", None, "t", ["t"], {}, owner="o1", nbytes=5)
+    assert asyncio.run(store.owners.usage("o1")) == (2, 15)
+    assert len(asyncio.run(store.summaries(owner="o1"))) == 2
 
 
 def test_a_save_promises_what_redis_gives(tmp_path):
