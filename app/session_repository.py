@@ -116,24 +116,26 @@ class SessionRepository:
             if self.refusal is not None or not await self._resolved(sid):
                 self._unsaved.add(sid)
                 return None, NOT_SAVED
-            mark = _shape(session)
+            mark, parked = _shape(session), session.parked_kv
+            if session.busy:  # a turn began while Redis was asked about an earlier commit
+                return await self._stepped_back(session, None, parked)
             kv = await self.engine.persist(sid)
             if _shape(session) != mark:
                 # A turn began (or ran) while the KV was written: a record now would hold it half-way (its
                 # message without its reply); its own end saves the session (housekeeping, if it is undone).
-                return await self._stepped_back(session, kv)
+                return await self._stepped_back(session, kv, parked)
             if kv is None and kv_only and session.kv_unwritten:
                 return DEFERRED, NOT_SAVED  # Redis still takes no KV: the record as it is holds this history
-            return await self._commit(session, digest, kv, retry, tells, mark)
+            return await self._commit(session, digest, kv, retry, tells, mark, parked)
 
     def _not_mine(self, sid: str) -> str:
         """Why a copy that must not serve again does not: deleted, diverged, or moved on."""
         return DELETED if sid in self.deleted else DIVERGED if sid in self.divergences else MOVED
 
     async def _commit(self, session: Session, digest: str, kv: dict | None, retry: bool,
-                      tells: bool, mark: tuple) -> tuple[str | None, Saved]:
+                      tells: bool, mark: tuple, parked: dict | None) -> tuple[str | None, Saved]:
         """Commit the session as it stands (``mark``: its shape when ``kv`` was written; no await between
-        that check and ``record``, which copies the state)."""
+        that check and ``record``, which copies the state; ``parked``: the generation it was parked with)."""
         sid = session.id
         lineage = self._lineage.setdefault(sid, [])
         verdict, result = None, None
@@ -171,12 +173,16 @@ class SessionRepository:
             self.engine.distrust_kv(sid)
             kv = await self.engine.persist(sid)
             if _shape(session) != mark:  # a turn began meanwhile (see ``save``)
-                return await self._stepped_back(session, kv)
+                return await self._stepped_back(session, kv, parked)
         return await self._settled(session, kv, result, verdict, tag, retry, tells)
 
-    async def _stepped_back(self, session: Session, kv: dict | None) -> tuple[str, Saved]:
+    async def _stepped_back(self, session: Session, kv: dict | None, parked: dict | None) -> tuple[str, Saved]:
+        """A save a turn overtook: not committed, saved again later (by that turn's end, or housekeeping).
+        The generation it wrote goes, unless it is the one the session was parked with (no cache: the
+        persist wrote nothing), which the turn may be restoring from now."""
         self._unsaved.add(session.id)
-        await self._abandon(session, kv)
+        if kv is not parked:
+            await self._abandon(session, kv)
         return DEFERRED, NOT_SAVED
 
     async def _abandon(self, session: Session, kv: dict | None) -> None:
@@ -384,10 +390,10 @@ class SessionRepository:
         await self.store.close()
 
 
-def _shape(session: Session) -> tuple[bool, int, int]:
-    """What a turn changes as it begins and ends: a save commits the session only where this held still
-    from its KV's writing to its record."""
-    return session.busy, len(session.messages), len(session.token_ids)
+def _shape(session: Session) -> tuple[bool, int]:
+    """What a turn changes as it begins (undone or not): a save commits the session only where this held
+    still from its KV's writing to its record."""
+    return session.busy, session.turns_begun
 
 
 def stored_bytes(data: dict[str, Any], kv: dict | None) -> int:

@@ -83,10 +83,11 @@ class TurnKeys:
         return release
 
 
-def keep(session: Session, key: str | None, replica: str) -> None:
+def keep(session: Session, key: str | None, replica: str, turns_before: int) -> None:
     """Remember the turn that just finished (the session's last stats and reply) under ``key``; a
-    failed turn is not kept (sent again, it runs)."""
-    if key is None or not session.turns or session.turns[-1].finish_reason == "error":
+    failed turn is not kept (sent again, it runs), nor one undone (``turns_before``: the session's turns
+    when it began; an undone turn adds none, and the last one is another turn's)."""
+    if key is None or len(session.turns) <= turns_before or session.turns[-1].finish_reason == "error":
         return
     turn, reply = session.turns[-1], session.messages[-1]
     session.last_turn = {
@@ -182,6 +183,7 @@ class Turns:
                         raise InvalidRequest("the message is not valid Unicode text (a lone surrogate)")
                     if self.admit is not None:
                         await self.admit(session)
+                    turns_before = len(session.turns)
                     stream = await self.engine.chat(sid, content, checked_sampling(sampling))
             except ChatError as exc:
                 yield TurnFailed.of(exc)
@@ -214,9 +216,9 @@ class Turns:
             except BaseException:
                 # Abandoned by the consumer: the engine ended the turn as cancelled; keep that state.
                 handed_over = True
-                self.spawn(self._close_and_keep(stream, session, turn_key, release))
+                self.spawn(self._close_and_keep(stream, session, turn_key, turns_before, release))
                 raise
-            keep(session, turn_key, self.replica)
+            keep(session, turn_key, self.replica, turns_before)
             outcome, saved = await self.persist(session, True)
             if outcome in (MOVED, DELETED, DIVERGED):
                 # Its record moved on (or went) while this copy ran the turn: the turn is not in the
@@ -233,11 +235,12 @@ class Turns:
             if not handed_over:
                 release()
 
-    async def _close_and_keep(self, stream, session: Session, turn_key: str | None, release) -> None:
+    async def _close_and_keep(self, stream, session: Session, turn_key: str | None, turns_before: int,
+                              release) -> None:
         try:
             with contextlib.suppress(Exception):
                 await stream.aclose()
-            keep(session, turn_key, self.replica)
+            keep(session, turn_key, self.replica, turns_before)
             await self.persist(session)
         finally:
             release()

@@ -53,6 +53,11 @@ TEACHER_FORCED: Sampler = (SamplingParams(), None)
 _STOPS = (TurnCancelled, ChatError, GeneratorExit, asyncio.CancelledError)
 
 
+def _redis_gone() -> StoreUnavailable:
+    return StoreUnavailable("part of this session's history lies in Redis, which cannot be reached now, so its "
+                            "cache cannot be rebuilt; the session is unchanged: retry later")
+
+
 def replayable(feeds: list[Feed], fed: int) -> bool:
     """Whether ``feeds`` account for exactly the ``fed`` tokens the lost cache had been fed."""
     return bool(feeds) and sum(f.prefill + f.decodes for f in feeds) == fed
@@ -143,11 +148,18 @@ class CacheRebuild:
             if isinstance(exc, ChunkUnavailable):
                 # Pages the replay demoted spilled to Redis, unreachable now: not this turn's fault, and
                 # nothing was sent; the session is as before it (its cache still to rebuild).
-                raise StoreUnavailable("part of this session's history lies in Redis, which cannot be reached "
-                                       "now, so its cache cannot be rebuilt; the session is unchanged: retry later"
-                                       ) from exc
+                raise _redis_gone() from exc
             raise
         session.feeds, session.lost_fed = feeds, 0
+
+    async def _rebuilt_unreadable(self, session: Session, fed: int, gate: PrefillGate) -> StoreUnavailable:
+        """The turn's own prefill, after its cache was rebuilt (``fed`` tokens), found pages the rebuild
+        spilled to Redis unreadable: the rebuilt cache goes (the next turn rebuilds it again) and the turn is
+        undone, refused as a store outage; returns the error to raise."""
+        session.lost_fed = fed
+        await self._drop_rebuilt(session, wait=True)
+        gate.undone = True
+        return _redis_gone()
 
     async def _drop_rebuilt(self, session: Session, wait: bool) -> None:
         """Drop a half-rebuilt cache: the session has none (it holds no device memory), and its next turn

@@ -71,6 +71,8 @@ class Session:
     # a cache dropped half-updated is restored from (``Engine.kv_settled``, ``_drop_if_broken``).
     stored_kv: dict | None = None
     busy: bool = False
+    # Turns begun here, undone ones too: a save commits only a session no turn touched while it wrote.
+    turns_begun: int = 0
     cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)

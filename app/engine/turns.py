@@ -111,6 +111,7 @@ class TurnLoop:
         # admission counts that too.
         replay = self._replay_plan(session)
         session.busy = True  # no other turn of this session while this one waits for device memory
+        session.turns_begun += 1
         try:
             await self._admit_in_turn(session, len(new_ids), max_new, replay)
         except BaseException:
@@ -170,7 +171,10 @@ class TurnLoop:
                 cache = session.cache
                 fed = cache.history_len
                 stats.prefilled_tokens = len(ids)  # the replayed history was fed again too
-                token = await self.batcher.prefill(session.id, cache, ids[fed:], max_new, sampler, gate)
+                try:
+                    token = await self.batcher.prefill(session.id, cache, ids[fed:], max_new, sampler, gate)
+                except ChunkUnavailable as exc:  # what the rebuild spilled, Redis lost meanwhile
+                    raise await self._rebuilt_unreadable(session, fed, gate) from exc
             session.feeds.append(Feed(len(ids) - fed, max_new))
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
             with self.batcher.decoding():

@@ -43,7 +43,7 @@ def finished_session(finish: str) -> Session:
 
 def test_a_finished_turn_is_answered_from_what_the_session_kept():
     session = finished_session("stop")
-    keep(session, "k1", "replica-a")
+    keep(session, "k1", "replica-a", turns_before=0)
     memory = MemoryStats(device_bytes=123)
     events = replay(session, "k1", "replica-b", lambda _: memory)
     assert events[:2] == [TurnStarted("s_a", "replica-b"), Delta("Hello there")]
@@ -53,5 +53,9 @@ def test_a_finished_turn_is_answered_from_what_the_session_kept():
     assert replay(session, "k2", "replica-b", lambda _: memory) is None  # another key: that turn has not run
     assert replay(session, None, "replica-b", lambda _: memory) is None
     failed = finished_session("error")
-    keep(failed, "k1", "replica-a")
+    keep(failed, "k1", "replica-a", turns_before=0)
     assert failed.last_turn is None  # a failed turn runs again when sent again
+    # A turn undone (stopped in its prefill, refused half-way) adds no turn: the last one is another
+    # turn's, which must not answer this key (sent again, this turn runs).
+    keep(session, "k3", "replica-a", turns_before=1)
+    assert session.last_turn["key"] == "k1" and replay(session, "k3", "replica-b", lambda _: memory) is None
