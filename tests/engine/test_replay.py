@@ -207,14 +207,13 @@ async def test_a_replay_holds_device_memory_for_the_history_it_rebuilds(lossy, m
     assert mem.overruns == 0
 
 
-@pytest.mark.parametrize("gone_after", [1, len(TURNS)])
 async def test_a_replay_that_finds_redis_gone_refuses_the_turn_and_leaves_the_session_whole(lossy, expected,
-                                                                                          monkeypatch, gone_after):
+                                                                                          monkeypatch):
     """The replay demotes pages as the turns it feeds did, and with a small host tier most spill to Redis;
-    Redis then stops answering after ``gone_after`` replayed turns, so the next one (or, after them all, the
-    turn's own prefill) cannot read them back: the turn is refused as ``store_unavailable`` (not failed as
-    the engine's fault, which would keep it in the history), and the session is as before it, its cache
-    still to rebuild."""
+    Redis then stops answering, after one replayed turn (the next one cannot read them back), then, on the
+    next try, after all of them (the turn's own prefill cannot): each time the turn is refused as
+    ``store_unavailable`` (not failed as the engine's fault, which would keep it in the history), and the
+    session is as before it, its cache still to rebuild."""
     make, lose = lossy
     engine = make()
     session = await converse(engine)
@@ -224,18 +223,19 @@ async def test_a_replay_that_finds_redis_gone_refuses_the_turn_and_leaves_the_se
     store = engine.host_tier.store
     reads = store.get
 
-    with pytest.raises(StoreUnavailable, match="cannot be reached"):
-        async for event in await engine.chat(session.id, NEXT, PARAMS):
-            assert not isinstance(event, TextDelta)
-            if isinstance(event, TurnStatus) and event.done == gone_after:  # Redis stops answering
-                monkeypatch.setattr(store, "get", lambda sid, names: [None] * len(names))
-    assert (session.messages, session.token_ids, session.feeds) == before
-    assert session.cache is None and not session.busy and session.id not in engine.memory_account.reserved
-    assert session.lost_fed == fed
-    await engine.batcher.run(lambda: None)  # the dropped cache's pages are freed by a job queued before this
-    assert engine.host_tier.session_bytes(session.id) == 0 and engine.host_tier.reserved_bytes() == 0
+    for gone_after in (1, len(TURNS)):
+        with pytest.raises(StoreUnavailable, match="cannot be reached"):
+            async for event in await engine.chat(session.id, NEXT, PARAMS):
+                assert not isinstance(event, TextDelta)
+                if isinstance(event, TurnStatus) and event.done == gone_after:  # Redis stops answering
+                    monkeypatch.setattr(store, "get", lambda sid, names: [None] * len(names))
+        assert (session.messages, session.token_ids, session.feeds) == before
+        assert session.cache is None and not session.busy and session.id not in engine.memory_account.reserved
+        assert session.lost_fed == fed
+        await engine.batcher.run(lambda: None)  # the dropped cache's pages are freed by a job queued before this
+        assert engine.host_tier.session_bytes(session.id) == 0 and engine.host_tier.reserved_bytes() == 0
+        monkeypatch.setattr(store, "get", reads)  # Redis is back
 
-    monkeypatch.setattr(store, "get", reads)  # Redis is back: the next turn rebuilds all of it
-    statuses, done = await turn(engine, session)
+    statuses, done = await turn(engine, session)  # the next turn rebuilds all of it
     assert statuses[-1].done == statuses[-1].total == len(TURNS)
     assert done.text == expected and session.lost_fed == 0
