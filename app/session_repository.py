@@ -116,11 +116,11 @@ class SessionRepository:
             if self.refusal is not None or not await self._resolved(sid):
                 self._unsaved.add(sid)
                 return None, NOT_SAVED
-            mark, parked = _shape(session), session.parked_kv
+            mark, parked = session.turns_begun, session.parked_kv
             if session.busy:  # a turn began while Redis was asked about an earlier commit
                 return await self._stepped_back(session, None, parked)
             kv = await self.engine.persist(sid)
-            if _shape(session) != mark:
+            if session.turns_begun != mark:
                 # A turn began (or ran) while the KV was written: a record now would hold it half-way (its
                 # message without its reply); its own end saves the session (housekeeping, if it is undone).
                 return await self._stepped_back(session, kv, parked)
@@ -133,9 +133,9 @@ class SessionRepository:
         return DELETED if sid in self.deleted else DIVERGED if sid in self.divergences else MOVED
 
     async def _commit(self, session: Session, digest: str, kv: dict | None, retry: bool,
-                      tells: bool, mark: tuple, parked: dict | None) -> tuple[str | None, Saved]:
-        """Commit the session as it stands (``mark``: its shape when ``kv`` was written; no await between
-        that check and ``record``, which copies the state; ``parked``: the generation it was parked with)."""
+                      tells: bool, mark: int, parked: dict | None) -> tuple[str | None, Saved]:
+        """Commit the session as it stands (``mark``: the turns it had begun when ``kv`` was written; no await
+        between that check and ``record``; ``parked``: the generation it was parked with)."""
         sid = session.id
         lineage = self._lineage.setdefault(sid, [])
         verdict, result = None, None
@@ -172,7 +172,7 @@ class SessionRepository:
                 break
             self.engine.distrust_kv(sid)
             kv = await self.engine.persist(sid)
-            if _shape(session) != mark:  # a turn began meanwhile (see ``save``)
+            if session.turns_begun != mark:  # a turn began meanwhile (see ``save``)
                 return await self._stepped_back(session, kv, parked)
         return await self._settled(session, kv, result, verdict, tag, retry, tells)
 
@@ -388,12 +388,6 @@ class SessionRepository:
         with contextlib.suppress(Exception):
             await self.store.drop_replica_stats(self.replica)
         await self.store.close()
-
-
-def _shape(session: Session) -> tuple[bool, int]:
-    """What a turn changes as it begins (undone or not): a save commits the session only where this held
-    still from its KV's writing to its record."""
-    return session.busy, session.turns_begun
 
 
 def stored_bytes(data: dict[str, Any], kv: dict | None) -> int:

@@ -197,15 +197,14 @@ def record(session: Session, digest: str, kv: dict[str, Any] | None) -> dict[str
         "id": session.id,
         "mode": session.mode,
         "rocket": session.rocket.model_dump(),
-        # Copies: the store may serialise it after an await, while a turn appends to the session.
-        "messages": [dict(m) for m in session.messages],
-        "token_ids": list(session.token_ids),
+        "messages": session.messages,
+        "token_ids": session.token_ids,
         "token_sha256": digest,
         "owner": session.owner,
         "turns": [dataclasses.asdict(t) for t in session.turns],
         "created_at": session.created_at,
         "saved_at": time.time(),
-        "last_turn": dict(session.last_turn) if session.last_turn else session.last_turn,
+        "last_turn": session.last_turn,
         "kv": kv,
         # How the cache was fed, turn by turn ([prefill, max_new, decodes]): another process replays it
         # where pages ``kv`` names are lost, or where its KV could not be written (``fed``: what it had
@@ -268,7 +267,6 @@ def export(session: Session) -> dict[str, Any]:
         "session_id": session.id,
         "mode": session.mode,
         "budget": budget_of(session),
-        # Copies: the store may serialise it after an await, while a turn appends to the session.
-        "messages": [dict(m) for m in session.messages],
-        "token_ids": list(session.token_ids),
+        "messages": session.messages,
+        "token_ids": session.token_ids,
     }

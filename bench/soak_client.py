@@ -234,7 +234,7 @@ class Client:
         s.lost += found.lost
         s.foreign += len(found.foreign)
         if found.foreign and s.foreign_seen is None:
-            s.foreign_seen = {"at": time.monotonic(), "replica": data.get("replica"), "doubt_index": k,
+            s.foreign_seen = {"at": time.monotonic(), "doubt_index": k,
                               "client_turns": len(found.kept) + len(found.lost),
                               "messages": [{key: (v[:40] if isinstance(v, str) else v) for key, v in m.items()}
                                            for m in data["messages"]][-80:]}
