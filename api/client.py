@@ -43,6 +43,15 @@ def http_url(url: str) -> str:
     return urlunsplit((scheme, parts.netloc, path, "", ""))
 
 
+SAMPLING_ARGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty", "seed")
+
+
+def sampling_args(args: argparse.Namespace) -> dict:
+    """The sampling values given on the command line (the rest: the server's defaults)."""
+    return {k: getattr(args, k) for k in SAMPLING_ARGS if getattr(args, k, None) is not None}
+
+
 def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -66,12 +75,7 @@ class Client:
         _err(f"session {reply['session_id']} (mode {reply['mode']}, replica {reply['replica']}); {HELP}")
 
     def _message(self, text: str) -> dict:
-        event = {"type": "message", "content": text}
-        for name in ("max_tokens", "temperature", "top_p"):
-            value = getattr(self.args, name, None)
-            if value is not None:
-                event[name] = value
-        return event
+        return {"type": "message", "content": text, **sampling_args(self.args)}
 
     async def turn(self, text: str) -> None:
         loop = asyncio.get_running_loop()

@@ -61,13 +61,7 @@ def _usage(done: dict[str, Any]) -> CompletionUsage:
 
 def _sampling(req: ChatCompletionRequest) -> dict[str, Any]:
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
-    values = {
-        "max_tokens": req.max_completion_tokens or req.max_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "stop": stop,
-        "seed": req.seed,
-    }
+    values = {**req.sampling(), "max_tokens": req.max_completion_tokens or req.max_tokens, "stop": stop}
     return {k: v for k, v in values.items() if v is not None}
 
 

@@ -9,7 +9,9 @@ client → server
   ``session.create``  {mode?, budget?, system?}         start a session on this connection
   ``session.resume``  {session_id, token?}               bind an existing session (token required
                                                          when the server issued one)
-  ``message``         {content, max_tokens?, temperature?, top_p?, stop?, seed?, idempotency_key?}
+  ``message``         {content, max_tokens?, temperature?, top_p?, top_k?, min_p?, repetition_penalty?,
+                       frequency_penalty?, presence_penalty?, stop?, seed?, idempotency_key?}
+                                                         values left out: the server's defaults
                                                          the same key sent again gets the finished
                                                          turn's answer, not a second run
   ``cancel``          {}                                 stop the reply being generated (answered by its
@@ -21,7 +23,8 @@ server → client
   ``done``     {finish_reason, usage{prompt_tokens, prefilled_tokens, generated_tokens},
                 memory{device_bytes, host_bytes, redis_bytes, readmitted_tokens, ...}, replica,
                 memory_map{device, host, redis, readmitted, ...} (docs/observability.md),
-                storage{saved, durable, durability, replicas} (what the turn's save gave), ...}
+                storage{saved, durable, durability, replicas} (what the turn's save gave),
+                sampling{temperature, top_p, top_k, ..., seed} (what the reply was drawn with), ...}
   ``error``    {code, message}; the connection stays open, except after ``unauthorized``
                (closed with code 4401).
 
@@ -77,14 +80,29 @@ class SessionResume(_Strict):
     token: str | None = Field(None, description="The secret returned when the session was created.")
 
 
-class UserMessage(_Strict):
-    type: Literal["message"]
-    content: Text
+class SamplingFields(BaseModel):
+    """The sampling values a turn may send (range-checked by the engine: ``invalid_sampling_params``);
+    each one left out takes the server's default (README: Sampling)."""
+
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: list[Text] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     seed: int | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The values sent (None: left to the server)."""
+        return {k: getattr(self, k) for k in SamplingFields.model_fields if getattr(self, k) is not None}
+
+
+class UserMessage(_Strict, SamplingFields):
+    type: Literal["message"]
+    content: Text
+    stop: list[Text] | None = None
     # The same key on a message sent again (after a lost connection) gets the finished turn's
     # answer instead of a second run; without one, the server makes one per message.
     idempotency_key: str | None = Field(None, min_length=1, max_length=128)
@@ -160,6 +178,8 @@ class SessionEvent(BaseModel):
     budget: int | None = None
     replica: str
     restored: bool = Field(False, description="The session was rebuilt from the store on this replica.")
+    sampling: dict[str, float | int] | None = Field(
+        None, description="What a turn that sends no sampling values is drawn with (the server's defaults).")
 
 
 class DeltaEvent(BaseModel):
@@ -191,6 +211,8 @@ class DoneEvent(BaseModel):
         None, description="Where the session's tokens are after the turn (GET /v1/sessions/{id}/memory-map in full)."
     )
     storage: StorageModel | None = Field(None, description="What the turn's save gave; absent without Redis.")
+    sampling: dict[str, float | int | None] | None = Field(
+        None, description="What the reply was drawn with (absent for a turn answered again).")
 
 
 class ErrorEvent(BaseModel):
@@ -221,6 +243,8 @@ class SessionInfo(BaseModel):
     budget: int | None = None
     replica: str
     restored: bool = False
+    sampling: dict[str, float | int] | None = Field(
+        None, description="What a turn that sends no sampling values is drawn with (the server's defaults).")
 
 
 class TokenCounts(BaseModel):
@@ -369,20 +393,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    # Unknown OpenAI parameters (penalties, user, ...) are accepted and ignored, as clients send them freely.
+class ChatCompletionRequest(SamplingFields):
+    # Unknown OpenAI parameters (user, logit_bias, ...) are accepted and ignored, as clients send them
+    # freely; top_k, min_p and repetition_penalty are extensions (vLLM's and llama.cpp's names).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     stop: Text | list[Text] | None = None
-    seed: int | None = None
     n: int = 1
     mode: str | None = Field(None, description="Cache mode of a new session (extension).")
     budget: int | None = Field(None, description="Token budget of a new session (extension).")

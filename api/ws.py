@@ -70,9 +70,7 @@ def parse_client_event(text: str):
 
 
 def sampling_of(msg: UserMessage) -> dict[str, Any]:
-    values = {"max_tokens": msg.max_tokens, "temperature": msg.temperature, "top_p": msg.top_p,
-              "stop": msg.stop, "seed": msg.seed}
-    return {k: v for k, v in values.items() if v is not None}
+    return {**msg.sampling(), **({"stop": msg.stop} if msg.stop is not None else {})}
 
 
 class ChatConnection:

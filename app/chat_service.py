@@ -292,7 +292,7 @@ class ChatService:
             self._forget(session.id)
             raise StoreUnavailable("Redis cannot take a new session now, and this server does not keep sessions "
                                    "it cannot save; try again later")
-        return info(session, token, self.replica)
+        return info(session, token, self.replica, sampling=self.engine.sampling_defaults)
 
     # --- sessions ------------------------------------------------------------------------------
     async def create_session(
@@ -328,7 +328,7 @@ class ChatService:
     async def resume_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
         self.start()
         session, restored = await self._session(sid, token, owner)
-        return info(session, token, self.replica, restored)
+        return info(session, token, self.replica, restored, self.engine.sampling_defaults)
 
     async def get_session(self, sid: str, token: str | None, owner: str | None = None) -> dict[str, Any]:
         session, _ = await self._session(sid, token, owner)

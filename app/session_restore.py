@@ -37,10 +37,12 @@ def is_unicode(text: str) -> bool:
     return True
 
 
-def checked_sampling(sampling: dict[str, Any] | None) -> SamplingParams:
-    """``SamplingParams`` plus the bounds the sampler itself needs (found by fuzzing: smaller values
-    become 0 in float32, or push the logits to inf, and the turn fails)."""
-    params = SamplingParams.parse(**(sampling or {}))
+def checked_sampling(sampling: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """``SamplingParams`` of a request's values over the server's ``defaults`` (what it leaves out), plus
+    the bounds the sampler itself needs (found by fuzzing: smaller values become 0 in float32, or push
+    the logits to inf, and the turn fails)."""
+    given = {k: v for k, v in (sampling or {}).items() if v is not None}
+    params = SamplingParams.parse(**{**(defaults or {}), **given})
     if 0 < params.temperature < SAMPLING_FLOOR or params.top_p < SAMPLING_FLOOR:
         raise InvalidSamplingParams(f"temperature (when not 0) and top_p must be at least {SAMPLING_FLOOR:g}")
     if params.seed is not None and params.seed > MAX_SEED:
@@ -157,9 +159,12 @@ def summary(session: Session, replica: str | None) -> dict[str, Any]:
     }
 
 
-def info(session: Session, token: str | None, replica: str, restored: bool = False) -> dict[str, Any]:
-    """A session as its creator or resumer is told: id, token, mode, budget, and where it is."""
+def info(session: Session, token: str | None, replica: str, restored: bool = False,
+         sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A session as its creator or resumer is told: id, token, mode, budget, where it is, and what a turn
+    that sends no sampling values of its own is drawn with (``sampling``: the server's defaults)."""
     return {
+        "sampling": sampling,
         "session_id": session.id,
         "token": token,
         "mode": session.mode,

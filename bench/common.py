@@ -8,6 +8,11 @@ from pathlib import Path
 from bench.haystack import filler_text
 from bench.provenance import stamp
 
+# What a benchmark's turns send to a server: plain greedy decoding, whatever the server's chat defaults
+# (the engine's ``SamplingParams()``; tests/bench/test_greedy_requests.py keeps the two equal).
+GREEDY: dict[str, float | int] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                  "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
 
 # Bench mode names beyond the cache modes: a cache mode plus engine settings.
 VARIANTS: dict[str, tuple[str, dict]] = {

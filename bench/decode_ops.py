@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from app.engine.model_runner import ModelRunner, Segment
-from app.engine.sampling import SamplingParams, sample_batch
+from app.engine.sampling import plain_sampler, sample_batch
 from bench.common import write_json
 from bench.random_model import parse_shapes, random_model
 from rocketkv_mt.cache import TierContext, TierPolicy, make_cache
@@ -64,7 +64,7 @@ def measure(runner: ModelRunner, sessions: int, prompt: int, budget: int, seed: 
     for i, cache in enumerate(caches):
         ids = torch.randint(0, vocab, (prompt + 3 * (i % 5),), generator=gen).tolist()
         tokens.append(int(runner.forward(ids, cache, prefill=True, max_new=64).argmax()))
-    greedy = [(SamplingParams(), None)] * sessions
+    greedy = [plain_sampler()] * sessions
 
     def step():
         logits, errors = runner.step([Segment(c, [t]) for c, t in zip(caches, tokens)])

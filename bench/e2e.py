@@ -31,7 +31,7 @@ import torch
 
 from app.engine.layer_prefill import LayerPrefill
 from app.engine.model_runner import ModelRunner, Segment
-from app.engine.sampling import SamplingParams, sample_batch
+from app.engine.sampling import plain_sampler, sample_batch
 from app.engine.steps import by_layer
 from bench.common import write_json
 from bench.random_model import parse_shapes, random_model
@@ -110,7 +110,7 @@ class Bench:
         self.transfers = Transfers(self.device)
         self.rocket = RocketKVConfig(token_budget=args.budget)
         self.gen = torch.Generator().manual_seed(0)
-        self.greedy = SamplingParams()
+        self.greedy = plain_sampler()
 
     def ids(self, n: int) -> list[int]:
         return torch.randint(0, self.shapes["vocab_size"], (n,), generator=self.gen).tolist()
@@ -125,7 +125,7 @@ class Bench:
         logits, errors = runner.step([Segment(c, [t]) for c, t in zip(caches, tokens)])
         if errors:
             raise RuntimeError(f"decode failed: {next(iter(errors.values()))!r}")
-        return sample_batch(logits, [(self.greedy, None)] * len(caches))
+        return sample_batch(logits, [self.greedy] * len(caches))
 
     def prefill(self, mode: str, context: int, rows: int | None = None) -> dict:
         runner, cache = self.new_cache(mode, f"{mode}-{context}")

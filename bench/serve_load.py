@@ -29,7 +29,7 @@ from websockets.asyncio.client import connect
 
 from api.client import ws_url
 from app.progress import progress
-from bench.common import write_json
+from bench.common import GREEDY, write_json
 from bench.haystack import filler_text
 
 SHORT_TURNS = [
@@ -112,7 +112,7 @@ class Session:
 
     async def turn(self, text: str, kind: str) -> Turn:
         turn = Turn(kind)
-        message = {"type": "message", "content": text, "max_tokens": self.args.max_tokens, "temperature": 0.0}
+        message = {"type": "message", "content": text, "max_tokens": self.args.max_tokens, **GREEDY}
         turn.start = time.perf_counter()
         await self.ws.send(json.dumps(message))
         while True:

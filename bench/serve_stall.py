@@ -32,7 +32,7 @@ import json
 import time
 
 from app.progress import progress
-from bench.common import write_json
+from bench.common import GREEDY, write_json
 from bench.haystack import filler_text
 from bench.serve_load import CONTEXT_QUESTION, Session, open_session, pct, server_stats
 
@@ -59,7 +59,7 @@ class Stream:
     async def run(self) -> None:
         await self.session.create()
         message = {"type": "message", "content": self.prompt, "max_tokens": self.args.stall_reply_tokens,
-                   "temperature": 0.0}
+                   **GREEDY}
         await self.session.ws.send(json.dumps(message))
         while True:
             event = await self.session.recv()
@@ -83,8 +83,7 @@ class Stream:
 async def send(session: Session, text: str, max_tokens: int) -> dict:
     """One turn of ``session``: its send and first-delta times and its ``done`` usage."""
     sent = time.perf_counter()
-    await session.ws.send(json.dumps({"type": "message", "content": text, "max_tokens": max_tokens,
-                                      "temperature": 0.0}))
+    await session.ws.send(json.dumps({"type": "message", "content": text, "max_tokens": max_tokens, **GREEDY}))
     first = None
     while True:
         event = await session.recv()

@@ -31,6 +31,7 @@ import time
 
 import httpx
 
+from bench.common import GREEDY
 from bench.soak_checks import Acked, reconcile
 from bench.soak_log import Mismatches, Options, SessionLog, Tally, error_code, error_detail, transport_kind
 
@@ -110,7 +111,7 @@ class Client:
         content = f"{self.rng.choice(PROMPTS)} (turn {k})"
         s.sent[content] = None
         body = {"model": self.opts.model, "messages": [*s.history(), {"role": "user", "content": content}],
-                "max_tokens": self.opts.max_tokens, "temperature": 0}
+                "max_tokens": self.opts.max_tokens, **GREEDY}
         headers = {**s.headers, "idempotency-key": f"{s.sid}:{k}"}
         attempt, not_found, mismatch, failures = 0, 0, Mismatches(), []
         while time.monotonic() < drain_at:

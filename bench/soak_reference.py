@@ -21,6 +21,7 @@ import httpx
 
 from app.engine.engine import Engine
 from app.settings import Settings
+from bench.common import GREEDY
 from bench.soak_checks import pairs, unfinished
 from bench.soak_forced import MARGIN, Transcript, gaps
 from bench.soak_procs import ReplicaProcess
@@ -88,7 +89,7 @@ async def replay(http: httpx.AsyncClient, url: str, model: str, max_tokens: int,
     replies: list[str] = []
     for content, _ in conversation:
         history.append({"role": "user", "content": content})
-        body = {"model": model, "messages": history, "max_tokens": max_tokens, "temperature": 0}
+        body = {"model": model, "messages": history, "max_tokens": max_tokens, **GREEDY}
         r = await _post(http, f"{url}/v1/chat/completions", json=body, headers=headers)
         if r is None or r.status_code != 200:
             break

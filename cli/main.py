@@ -38,10 +38,11 @@ def _settings(args: argparse.Namespace):
     return Settings(**overrides)
 
 
-def _sampling(args: argparse.Namespace):
-    from app.engine.sampling import SamplingParams
+def _sampling(args: argparse.Namespace, engine):
+    from api.client import sampling_args
+    from app.session_restore import checked_sampling
 
-    return SamplingParams.parse(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    return checked_sampling(sampling_args(args), engine.sampling_defaults)
 
 
 async def _stream_turn(engine, session_id: str, text: str, params) -> None:
@@ -59,7 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     engine = Engine(_settings(args))
     session = engine.create_session()
-    asyncio.run(_stream_turn(engine, session.id, args.prompt, _sampling(args)))
+    asyncio.run(_stream_turn(engine, session.id, args.prompt, _sampling(args, engine)))
     return 0
 
 
@@ -77,7 +78,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     engine = Engine(_settings(args))
     session = engine.create_session()
-    params = _sampling(args)
+    params = _sampling(args, engine)
     print(f"session {session.id} (mode {session.mode}); /map shows where its tokens are; "
           "empty line or Ctrl-D to quit", file=sys.stderr)
 
@@ -151,10 +152,16 @@ def _add_engine_args(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     p.add_argument("--mode", help="cache mode: full, snapkv, rocketkv")
     p.add_argument("--budget", type=int, help="RocketKV token budget")
     p.add_argument("--device", help="cpu, cuda, auto")
-    if sampling:
-        p.add_argument("--max-tokens", type=int, default=None)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--top-p", type=float, default=1.0)
+    if sampling:  # each one left out: the server's default (README: Sampling)
+        p.add_argument("--max-tokens", type=int)
+        p.add_argument("--temperature", type=float, help="0: greedy")
+        p.add_argument("--top-p", type=float)
+        p.add_argument("--top-k", type=int)
+        p.add_argument("--min-p", type=float)
+        p.add_argument("--repetition-penalty", type=float)
+        p.add_argument("--frequency-penalty", type=float)
+        p.add_argument("--presence-penalty", type=float)
+        p.add_argument("--seed", type=int)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,13 @@ import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Served turns sample with chat defaults; the suite's servers decode greedily (their replies are compared
+# across replicas, restores and replays), and the tests of the defaults ask for them by name.
+os.environ.setdefault("RKV_DEFAULT_TEMPERATURE", "0")
+os.environ.setdefault("RKV_DEFAULT_REPETITION_PENALTY", "1")
+# The suite serves the small bundled model (a server's own default is the larger chat model, which
+# tests/e2e/test_first_chat.py loads by name).
+os.environ.setdefault("RKV_MODEL", "bundled:smollm2-135m")
 # Triton reads TRITON_INTERPRET when its kernels are first decorated, and any test folder may import
 # them first: without a GPU, the whole run builds them for the interpreter (the kernel tests need it;
 # nothing else on a CPU runs them). On a GPU machine, TRITON_INTERPRET=0 runs them on CUDA.

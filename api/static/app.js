@@ -6,7 +6,8 @@
  * so the UI also works when the server is mounted under a path prefix.
  *
  * State kept in localStorage (this browser only):
- *   rkv-mt.sessions  [{session_id, token, mode, budget, created}]  the sessions made here; the token
+ *   rkv-mt.sessions  [{session_id, token, mode, budget, created, sampling}]  the sessions made here
+ *                    (``sampling``: the values this session sends with each message); the token
  *                    is the session's secret, needed to resume it and for REST calls
  *                    (`x-session-token`), so it never leaves this browser except to this server.
  *   rkv-mt.active    the selected session id
@@ -33,7 +34,10 @@ const state = {
   bound: null,         // session id the current socket is bound to
   pending: null,       // {resolve, reject} waiting for the next `session` (or `error`) event
   turn: null,          // {sessionId, el, textEl, metaEl, text} while a reply streams
+  defaults: {},        // the server's sampling defaults (the last `session` event's `sampling`)
 };
+const SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+  "presence_penalty", "seed"];
 
 let mapView = null; // the MemoryMapView of the page (memory_map.js), made in init()
 
@@ -58,8 +62,8 @@ function loadStored() {
 }
 
 function saveStored() {
-  const plain = state.sessions.map(({ session_id, token, mode, budget, created }) =>
-    ({ session_id, token, mode, budget, created }));
+  const plain = state.sessions.map(({ session_id, token, mode, budget, created, sampling }) =>
+    ({ session_id, token, mode, budget, created, sampling }));
   localStorage.setItem(LS.sessions, JSON.stringify(plain));
   if (state.activeId) localStorage.setItem(LS.active, state.activeId);
   else localStorage.removeItem(LS.active);
@@ -217,7 +221,62 @@ async function sessionRequest(event) {
   sendEvent(event);
   const info = await reply;
   state.bound = info.session_id;
+  if (info.sampling) {
+    state.defaults = info.sampling;
+    renderSampling();
+  }
   return info;
+}
+
+// ---------------------------------------------------------------------------------- sampling
+// Each session keeps the values its user set (sent with every message); a field left empty takes the
+// server's default, which the field shows as its placeholder.
+function renderSampling() {
+  const s = activeSession();
+  const own = (s && s.sampling) || {};
+  for (const field of SAMPLING_FIELDS) {
+    const input = $(`#s-${field}`);
+    input.value = own[field] ?? "";
+    const d = state.defaults[field];
+    input.placeholder = d === undefined || d === null ? "" : String(d);
+  }
+}
+
+function readSampling() {
+  const values = {};
+  for (const field of SAMPLING_FIELDS) {
+    const input = $(`#s-${field}`);
+    const text = input.value.trim();
+    if (!text) continue;
+    const n = Number(text);
+    if (!Number.isFinite(n) || (input.dataset.int && !Number.isInteger(n))) {
+      throw new ApiErr("invalid_sampling_params", `${field} must be a ${input.dataset.int ? "whole " : ""}number`);
+    }
+    values[field] = n;
+  }
+  return values;
+}
+
+function storeSampling() {
+  const s = activeSession();
+  if (!s) return;
+  try {
+    s.sampling = readSampling();
+    saveStored();
+  } catch (_) { /* reported when a message is sent */ }
+}
+
+function fmtSampling(v) {
+  if (!v) return "–";
+  if (v.temperature === 0) return "greedy" + (v.repetition_penalty !== 1 ? `, repetition ${v.repetition_penalty}` : "");
+  const parts = [`t ${v.temperature}`, `top_p ${v.top_p}`];
+  if (v.top_k > 0) parts.push(`top_k ${v.top_k}`);
+  if (v.min_p > 0) parts.push(`min_p ${v.min_p}`);
+  if (v.repetition_penalty !== 1) parts.push(`repetition ${v.repetition_penalty}`);
+  if (v.frequency_penalty) parts.push(`frequency ${v.frequency_penalty}`);
+  if (v.presence_penalty) parts.push(`presence ${v.presence_penalty}`);
+  if (v.seed !== null && v.seed !== undefined) parts.push(`seed ${v.seed}`);
+  return parts.join(", ");
 }
 
 async function bindActive() {
@@ -312,7 +371,7 @@ function renderUsage(turn) {
   const usage = $("#usage");
   if (!turn) {
     usage.dataset.state = "none";
-    for (const id of ["finish", "prompt", "prefilled", "generated", "ttft", "latency", "replica"]) {
+    for (const id of ["finish", "prompt", "prefilled", "generated", "ttft", "latency", "replica", "sampling"]) {
       $(`#usage-${id}`).textContent = "–";
     }
     return;
@@ -325,6 +384,7 @@ function renderUsage(turn) {
   $("#usage-ttft").textContent = fmtMs(turn.ttft_ms);
   $("#usage-latency").textContent = fmtMs(turn.latency_ms);
   $("#usage-replica").textContent = turn.replica || "–";
+  $("#usage-sampling").textContent = fmtSampling(turn.sampling);
 }
 
 function clearMemory() {
@@ -437,10 +497,11 @@ async function createSession(ev) {
   try {
     const info = await sessionRequest(event);
     const s = { session_id: info.session_id, token: info.token, mode: info.mode, budget: info.budget ?? null,
-      created: Date.now() };
+      created: Date.now(), sampling: {} };
     state.sessions.unshift(s);
     state.activeId = s.session_id;
     saveStored();
+    renderSampling();
     renderSessionList();
     renderHeader();
     renderTranscript({ messages: system ? [{ role: "system", content: system }] : [] });
@@ -462,6 +523,7 @@ async function switchSession(id) {
   }
   state.activeId = id;
   saveStored();
+  renderSampling();
   renderSessionList();
   renderHeader();
   renderTranscript({ messages: [] });
@@ -574,7 +636,13 @@ async function sendMessage(ev) {
     showError("empty_message", "type a message first");
     return;
   }
-  const event = { type: "message", content };
+  let event;
+  try {
+    event = { type: "message", content, ...readSampling() };
+  } catch (err) {
+    reportError(err);
+    return;
+  }
   const maxTokens = $("#max-tokens").value.trim();
   if (maxTokens) {
     const n = Number(maxTokens);
@@ -636,7 +704,7 @@ function finishTurn(done) {
   if (turn.sessionId === state.activeId) {
     renderMemory(done.memory, null);
     renderUsage({ ...done.usage, finish_reason: done.finish_reason, ttft_ms: done.ttft_ms,
-      latency_ms: done.latency_ms, replica: done.replica });
+      latency_ms: done.latency_ms, replica: done.replica, sampling: done.sampling });
   }
   updateControls();
   if (s) refreshDetail(s).catch(reportError);
@@ -699,6 +767,7 @@ function init() {
   });
   $("#cancel").addEventListener("click", cancelTurn);
   $("#delete-session").addEventListener("click", deleteSession);
+  for (const field of SAMPLING_FIELDS) $(`#s-${field}`).addEventListener("change", storeSampling);
 
   renderSessionList();
   renderHeader();

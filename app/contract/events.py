@@ -119,6 +119,7 @@ class Done(_Event):
     latency_ms: float = 0.0
     memory_map: MapSummary | None = None
     storage: Saved | None = None  # None: no session store (no Redis)
+    sampling: dict[str, Any] | None = None  # what the turn was drawn with (None: a turn answered again)
     type: ClassVar[str] = "done"
 
 

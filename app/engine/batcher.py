@@ -67,7 +67,7 @@ import torch
 
 from app.engine.layer_prefill import LayerPrefill
 from app.engine.model_runner import ModelRunner, Segment
-from app.engine.sampling import Sampler, sample_batch
+from app.engine.sampling import TokenSampler, sample_batch
 from app.engine.steps import (
     BatchStats,
     PrefillAbandoned,
@@ -162,7 +162,7 @@ class Batcher:
         return await _wait(self.submit(fn, after))
 
     async def prefill(
-        self, key: str, cache: SessionCache, ids: list[int], max_new: int, sampler: Sampler,
+        self, key: str, cache: SessionCache, ids: list[int], max_new: int, sampler: TokenSampler,
         gate: PrefillGate | None = None,
     ) -> int:
         """Feed a turn's new tokens; returns the token drawn after the last one.
@@ -177,7 +177,7 @@ class Batcher:
         return await self._request(Request(key, cache, list(ids), prefill=True, max_new=max_new, gate=gate,
                                            sampler=sampler, by_layer=layered))
 
-    async def decode(self, key: str, cache: SessionCache, token: int, sampler: Sampler) -> int:
+    async def decode(self, key: str, cache: SessionCache, token: int, sampler: TokenSampler) -> int:
         """Feed one generated token; returns the next one."""
         return await self._request(Request(key, cache, [token], sampler=sampler))
 

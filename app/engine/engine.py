@@ -44,6 +44,7 @@ from app.engine.model_runner import ModelRunner
 from app.engine.renewal import PendingRenewal
 from app.engine.replay import CacheRebuild
 from app.engine.residency import DeviceResidency
+from app.engine.sampling_defaults import model_generation, served_defaults
 from app.engine.session import Session
 from app.engine.turns import TurnLoop
 from app.model_loader import LoadedModel, load_model
@@ -71,6 +72,9 @@ class Engine(TurnLoop, CacheRebuild, DeviceResidency):
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, kernels=settings.kernels)
         self.chat_format = ChatFormat(self.tokenizer, extra_eos=self.runner.eos_ids)
+        # What a served turn samples with where its request is silent (the service fills it in).
+        self.sampling_defaults = served_defaults(
+            settings, model_generation(getattr(self.loaded.model, "generation_config", None)))
         self.max_context = min(settings.max_context or self.runner.max_positions, self.runner.max_positions)
         self._sessions: dict[str, Session] = {}  # changed only by create_session, adopt, drop, delete_session
         self.redis = (

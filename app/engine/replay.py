@@ -35,7 +35,7 @@ from app.engine.batcher import Batcher
 from app.engine.errors import ChatError, StoreUnavailable, TurnCancelled
 from app.engine.events import TurnStatus
 from app.engine.memory import DeviceMemory
-from app.engine.sampling import Sampler, SamplingParams
+from app.engine.sampling import TokenSampler, plain_sampler
 from app.engine.session import Feed, Session
 from app.engine.steps import PrefillGate
 from app.settings import Settings
@@ -47,7 +47,7 @@ T = TypeVar("T")
 
 # The steps feed tokens already chosen: what the batcher draws after each is discarded, so the
 # cheapest draw (greedy, no generator whose state would move) does.
-TEACHER_FORCED: Sampler = (SamplingParams(), None)
+TEACHER_FORCED: TokenSampler = plain_sampler()
 # What stops a replay and undoes its turn (the session as it was before): a cancel, a refusal, a caller
 # gone. Any other failure fails the turn as a failed prefill does.
 _STOPS = (TurnCancelled, ChatError, GeneratorExit, asyncio.CancelledError)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.engine.model_runner import Segment
-from app.engine.sampling import Sampler
+from app.engine.sampling import TokenSampler
 from rocketkv_mt.cache import SessionCache
 
 GROWTH = 1.5  # a chunk fed beside decode tokens is at most this many times the prefill's last chunk
@@ -46,7 +46,7 @@ class Request:
     prefill: bool = False
     max_new: int = 0
     gate: PrefillGate | None = None
-    sampler: Sampler | None = None  # how the token after its last id is drawn (on the model thread)
+    sampler: TokenSampler | None = None  # how the token after its last id is drawn (on the model thread)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     fed: int = 0  # tokens of ``ids`` that earlier steps fed (a prefill in chunks)
     token_s: float | None = None  # a prefill in chunks: seconds per token of its chunks (running)

@@ -35,7 +35,7 @@ from app.engine.events import MemoryStats, TextDelta, TurnDone, TurnStatus, Usag
 from app.engine.host_memory import HostMemory
 from app.engine.memory import DeviceMemory
 from app.engine.model_runner import ModelRunner
-from app.engine.sampling import SamplingParams, make_generator
+from app.engine.sampling import SamplingParams, TokenSampler
 from app.engine.session import Feed, Session, TurnStats
 from app.engine.steps import PrefillGate
 from app.settings import Settings
@@ -137,7 +137,7 @@ class TurnLoop:
         session.token_ids.extend(new_ids)
         stats = TurnStats(prompt_tokens=len(session.token_ids), prefilled_tokens=0)
         detok = Detokenizer(self.tokenizer, params.stop)
-        sampler = (params, make_generator(params, self.runner.device))  # drawn on the model thread
+        sampler = TokenSampler(params, self.runner.device, session.token_ids)  # drawn on the model thread
         finish = "length"
         left = False  # the caller went away (a disconnect, a cancelled task): no TurnDone is read
         generated: list[int] = []

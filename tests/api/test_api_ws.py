@@ -150,3 +150,31 @@ async def test_cli_serve_without_ray():
             await chat.create()
             deltas, done = await chat.turn("Hello!")
         assert deltas and done["type"] == "done"
+
+
+async def test_sampling_values_reach_the_turn_and_the_rest_are_the_servers_defaults(server):
+    """The session event says what a silent turn gets; a message's own values replace those it sends,
+    on the WebSocket and the OpenAI path alike, and ``done`` says what the reply was drawn with."""
+    async with WsChat.open(server.ws_url) as chat:
+        info = await chat.create()
+        defaults = info["sampling"]
+        # The suite's servers are greedy (tests/conftest.py); the rest are the chat defaults.
+        assert defaults["temperature"] == 0 and defaults["repetition_penalty"] == 1.0
+        assert defaults["top_k"] == 20 and defaults["top_p"] == 0.8
+        sent = {"temperature": 0.7, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3, "frequency_penalty": 0.4,
+                "presence_penalty": -0.2, "seed": 11}
+        _, done = await chat.turn("Name a fruit.", **sent)
+        assert done["type"] == "done", done
+        assert done["sampling"] == {**defaults, **sent}
+        _, silent = await chat.turn("And a colour?")
+        assert silent["sampling"] == {**defaults, "seed": None}
+
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
+            "top_k": 3, "min_p": 0.2, "repetition_penalty": 1.1, "frequency_penalty": 1.0, "presence_penalty": 0.5,
+            "temperature": 0.9, "seed": 1}
+    async with httpx.AsyncClient(timeout=60) as http:
+        first = await http.post(f"{server.url}/v1/chat/completions", json=body)
+        again = await http.post(f"{server.url}/v1/chat/completions", json=body)
+    assert first.status_code == 200, first.text
+    # Seeded: the same request draws the same reply (the penalties and filters ran, deterministically).
+    assert first.json()["choices"][0]["message"] == again.json()["choices"][0]["message"]

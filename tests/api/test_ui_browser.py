@@ -128,6 +128,12 @@ def test_two_turn_chat_in_a_browser_shows_streamed_replies_and_memory_tiers(load
                   "the new session")
             assert driver.find_element(By.ID, "session-mode").text == "tiered"
             assert driver.find_element(By.ID, "session-budget").text == "64"
+            # The sampling panel shows the server's defaults (this suite's servers are greedy); a value set
+            # there is this session's, sent with each message and shown back from the turn's `done`.
+            driver.find_element(By.CSS_SELECTOR, "#sampling summary").click()
+            assert driver.find_element(By.ID, "s-temperature").get_attribute("placeholder") == "0"
+            assert driver.find_element(By.ID, "s-top_k").get_attribute("placeholder") == "20"
+            driver.find_element(By.ID, "s-repetition_penalty").send_keys("1.2")
 
             for turn, text in enumerate(["My name is Ada. Please remember it.", "What is my name?"], start=1):
                 driver.find_element(By.ID, "message").send_keys(text)
@@ -145,6 +151,9 @@ def test_two_turn_chat_in_a_browser_shows_streamed_replies_and_memory_tiers(load
                                                                "What is my name?"]
             generated = int(driver.find_element(By.ID, "usage-generated").text)
             assert 1 <= generated <= 16
+            assert driver.find_element(By.ID, "usage-sampling").text == "greedy, repetition 1.2"
+            stored = driver.execute_script("return JSON.parse(localStorage.getItem('rkv-mt.sessions'))[0].sampling")
+            assert stored == {"repetition_penalty": 1.2}
             prompt = int(driver.find_element(By.ID, "usage-prompt").text.replace(",", ""))
             prefilled = int(driver.find_element(By.ID, "usage-prefilled").text.replace(",", ""))
             assert prefilled < prompt  # the second turn reused the cached history
