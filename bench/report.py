@@ -25,6 +25,11 @@ DOC = ROOT / "docs" / "benchmarks.md"
 
 # What each benchmark measures, in a sentence or two, by folder.
 ABOUT = {
+    "chat": "How well each model chats with the sampling a served turn gets (`rocketkv-mt bench chat`): four "
+            "conversations of our own whose first message gives a name and two facts, then five turns that ask "
+            "for them and give one small instruction, once per seed, cache `full`. A recall is correct when the "
+            "reply holds the fact; a reply loops when it repeats a four-word phrase three times (twice when cut "
+            "at `max_tokens`); tokens/s is decode speed on this machine.",
     "eval": "Multi-turn recall (`rocketkv-mt eval`): conversations whose first message hides four facts in "
             "filler, then one question per turn about another fact; greedy replies, correct when they hold "
             "the fact. Accuracy per turn shows what each mode forgets as the conversation goes on. The "
@@ -232,6 +237,21 @@ def _prefill_peak(d: dict) -> list[str]:
                            "held after", "prefill"], rows)
 
 
+def _chat(d: dict) -> list[str]:
+    rows = []
+    for name, m in d["chat_models"].items():
+        s = m["sampling"]
+        shown = "greedy" if s["temperature"] == 0 else ", ".join(
+            f"{k} {v}" for k, v in s.items() if v not in (0, 0.0) and not (k.endswith("penalty") and v == 1.0))
+        rows.append([f"`{name}` ({m['title']})", f"{m['recalls']}/{m['recall_questions']}",
+                     f"{m['instructions']}/{m['instruction_questions']}", f"{m['loops']}/{m['replies']}",
+                     f"{m['decode_tokens_per_s']}", shown])
+    lines = [f"{d['conversations']} conversations of {d['turns']} turns, seeds {d['seeds']}, replies of up to "
+             f"{d['max_tokens']} tokens.", ""]
+    return lines + _table(["model", "recalls correct", "instructions followed", "replies that loop",
+                           "decode tokens/s", "sampling"], rows)
+
+
 def _ttft(d: dict) -> list[str]:
     st = d["stateful"]
     rows = [[f"stateful `{d['mode']}`", _ms(st["ttft_ms"]), st["prefilled_tokens"], "1"]]
@@ -374,7 +394,7 @@ def _fields(d: dict) -> list[str]:
 
 
 TABLES: dict[str, Callable[[dict], list[str]]] = {
-    "eval": _eval, "needle": _needle, "fidelity": _fidelity, "history-swap": _history_swap, "scaling": _scaling,
+    "chat": _chat, "eval": _eval, "needle": _needle, "fidelity": _fidelity, "history-swap": _history_swap, "scaling": _scaling,
     "decode": _decode, "capacity": _capacity, "prefill-peak": _prefill_peak, "ttft": _ttft, "serve": _serve,
     "stall": _stall, "cluster": _cluster, "placement": _placement, "rounds": _rounds, "hsa": _hsa,
     "linear": _linear, "ops": _ops, **SOAK_TABLES, **GPU_TABLES,

@@ -11,7 +11,7 @@ RESULTS = ROOT / "results"
 
 # Benchmarks in the order the report lists them: what a user weighs first (recall, then speed and
 # memory) before the lower-level timings. A folder not named here is listed after them.
-ORDER = ("eval", "needle", "fidelity", "history-swap", "scaling", "decode", "capacity", "prefill-peak", "ttft",
+ORDER = ("chat", "eval", "needle", "fidelity", "history-swap", "scaling", "decode", "capacity", "prefill-peak", "ttft",
          "serve", "soak", "placement", "rounds", "hsa", "linear", "ops", "gpu")
 
 
@@ -41,6 +41,8 @@ def kind(data: dict, path: Path | None = None) -> str:
     """Which benchmark wrote ``data``: ``eval``, ``decode``, ``scaling``, ``capacity``, ``serve``
     (load), ``stall`` (``bench serve --stall``), ``cluster`` (``bench.cluster_serve``), ``soak``, ... or, failing those fields, the file's folder."""
     modes = data.get("modes")
+    if "chat_models" in data:
+        return "chat"
     if "cluster" in data and isinstance(data.get("rounds"), list):
         return "cluster"
     if "turns_failed" in data and "violations" in data:

@@ -144,6 +144,16 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar (there is none where stderr is not a terminal)")
     p.set_defaults(func=_run("bench.scaling"))
 
+    p = bench.add_parser("chat", help="how well each model chats with the served sampling defaults: recalls of a name "
+                         "and two facts over five turns, instructions followed, loops, decode tokens/s")
+    p.add_argument("--models", default="bundled:smollm2-135m,bundled:qwen2.5-coder-0.5b,bundled:qwen2.5-coder-1.5b")
+    p.add_argument("--seeds", type=int, default=2, help="each conversation once per seed 0..N-1")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--sampling", default=None,
+                   help='JSON of sampling values instead of the served defaults, e.g. \'{"temperature": 0}\'')
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run("bench.chat_models"))
+
     add_soak_parser(bench)
     add_placement_parser(bench)
     add_history_swap_parser(bench)
