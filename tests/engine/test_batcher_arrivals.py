@@ -8,9 +8,9 @@ import torch
 
 from app.engine import batcher as batcher_module
 from app.engine.batcher import Batcher
-from app.engine.sampling import SamplingParams
+from app.engine.sampling import plain_sampler
 
-GREEDY = (SamplingParams(), None)
+GREEDY = plain_sampler()
 
 
 class Cache:
