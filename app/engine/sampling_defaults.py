@@ -23,8 +23,9 @@ def model_generation(config: Any) -> dict[str, float | int]:
     carries none, gives {}). A config that says ``do_sample: false`` asks for greedy decoding."""
     if config is None:
         return {}
-    values = {k: v for k, v in config.to_diff_dict().items() if k in SHAPING and v is not None}
-    if config.to_diff_dict().get("do_sample") is False:
+    given = config.to_diff_dict()
+    values = {k: v for k, v in given.items() if k in SHAPING and v is not None}
+    if given.get("do_sample") is False:
         values["temperature"] = 0.0
     return values
 
